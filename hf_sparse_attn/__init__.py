@@ -1,0 +1,19 @@
+"""hf-sparse-attn: sparse attention (BFLA, α-entmax) for Hugging Face Transformers models."""
+
+from .api import PatchHandle, patch_model, patched, unpatch_model
+from .integration import ATTN_NAME, register
+from .methods import list_methods
+from .patches import supported_model_types
+
+register()  # so that from_pretrained(..., attn_implementation="hf_sparse_attn") works after import
+
+__version__ = "0.1.0"
+__all__ = [
+    "ATTN_NAME",
+    "PatchHandle",
+    "list_methods",
+    "patch_model",
+    "patched",
+    "supported_model_types",
+    "unpatch_model",
+]

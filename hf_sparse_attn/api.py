@@ -1,0 +1,247 @@
+"""Public API: ``patch_model`` / ``unpatch_model`` / ``PatchHandle`` / ``patched``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .integration import ATTN_NAME, STATE_ATTR, register
+from .methods import LayerState, Method, MethodConfig, get_method
+from .patches import get_patcher
+
+HANDLE_ATTR = "_hf_sparse_attn_handle"
+_PARAMS_ATTR = "hf_sparse_attn_params"
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``PreTrainedModel`` inside PEFT / DDP-style wrappers."""
+    while True:
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and not hasattr(model, "config"):
+            model = model.module
+        else:
+            return model
+
+
+def _all_configs(model: torch.nn.Module) -> list:
+    """Every config object whose ``_attn_implementation`` the model may read (top, sub-configs, sub-models)."""
+    seen: dict[int, Any] = {}
+    stack = [model.config] + [
+        m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "sub_configs")
+    ]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen:
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}):
+            sub = getattr(cfg, key, None)
+            if sub is not None:
+                stack.append(sub)
+    return list(seen.values())
+
+
+def _resolve_layers(layers, method: Method, modules: list, eligible: list[bool]) -> list[int]:
+    """Positions in ``modules`` the method is applied to."""
+    if layers is None:
+        layers = method.default_layers
+    if layers == "all":
+        return list(range(len(modules)))
+    if layers == "eligible":
+        return [i for i, e in enumerate(eligible) if e]
+    if isinstance(layers, str) or not isinstance(layers, Iterable):
+        raise ValueError(
+            f"layers={layers!r} is not allowed; allowed: None, 'all', 'eligible' or an iterable of layer indices"
+        )
+    by_idx = {m.layer_idx: i for i, m in enumerate(modules)}
+    chosen = []
+    for idx in layers:
+        if idx not in by_idx:
+            raise ValueError(
+                f"layers contains {idx!r}, which is not an attention layer; valid indices: {sorted(by_idx)}"
+            )
+        chosen.append(by_idx[idx])
+    return sorted(set(chosen))
+
+
+class PatchHandle:
+    """A patched model. ``remove()`` restores it exactly; usable as a context manager."""
+
+    def __init__(self, model, method: Method, config: MethodConfig, modules: list, snapshot: list, total_layers: int):
+        self.model = model
+        self.method = method
+        self.config = config
+        self._modules = modules
+        self._snapshot = snapshot
+        self._total_layers = total_layers
+        self.active = True
+
+    @property
+    def layers(self) -> dict[int, LayerState]:
+        return {m.layer_idx: getattr(m, STATE_ATTR) for m in self._modules}
+
+    def remove(self) -> None:
+        """Undo the patch: module state, learned parameters and every config's attention implementation."""
+        if not self.active:
+            return
+        for m in self._modules:
+            m.__dict__.pop(STATE_ATTR, None)
+            if _PARAMS_ATTR in m._modules:
+                del m._modules[_PARAMS_ATTR]
+        for cfg, impl in self._snapshot:
+            cfg._attn_implementation_internal = impl
+        self.model.__dict__.pop(HANDLE_ATTR, None)
+        self.active = False
+
+    def stats(self) -> dict[str, Any]:
+        """Measurements of the last forward: per layer the method's stats, plus coverage and mean density."""
+        layers = {}
+        for idx, state in self.layers.items():
+            entry: dict[str, Any] = {"sparse_eligible": state.sparse_eligible}
+            if self.method.layer_stats is not None:
+                entry.update(self.method.layer_stats(state))
+            layers[idx] = entry
+        densities = [e["density"] for e in layers.values() if e.get("density") is not None]
+        return {
+            "method": self.method.name,
+            "config": self.config.to_dict(),
+            "coverage": len(self._modules) / max(1, self._total_layers),
+            "density": sum(densities) / len(densities) if densities else None,
+            "layers": layers,
+        }
+
+    def learned_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for idx, state in self.layers.items():
+            if state.params is not None:
+                for name, t in state.params.state_dict().items():
+                    out[f"layers.{idx}.{name}"] = t.detach().cpu().contiguous()
+        return out
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Save the method's learned parameters (safetensors) and its config (JSON) into folder ``path``."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        meta = {"method": self.method.name, "config": self.config.to_dict()}
+        with open(os.path.join(path, "hf_sparse_attn.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+        save_file(self.learned_state_dict(), os.path.join(path, "hf_sparse_attn.safetensors"))
+        return str(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load parameters saved by :meth:`save` (strict: every key must match)."""
+        from safetensors.torch import load_file
+
+        meta_file = os.path.join(path, "hf_sparse_attn.json")
+        weights_file = os.path.join(path, "hf_sparse_attn.safetensors")
+        for f in (meta_file, weights_file):
+            if not os.path.isfile(f):
+                raise FileNotFoundError(f"from_pretrained={str(path)!r}: missing file {f}")
+        with open(meta_file) as f:
+            meta = json.load(f)
+        if meta.get("method") != self.method.name:
+            raise ValueError(
+                f"from_pretrained={str(path)!r} holds method {meta.get('method')!r}, not {self.method.name!r}"
+            )
+        tensors = load_file(weights_file)
+        expected = set(self.learned_state_dict())
+        if set(tensors) != expected:
+            raise ValueError(
+                f"from_pretrained={str(path)!r}: parameter names differ; missing {sorted(expected - set(tensors))}, "
+                f"unexpected {sorted(set(tensors) - expected)}"
+            )
+        for idx, state in self.layers.items():
+            if state.params is not None:
+                prefix = f"layers.{idx}."
+                sd = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+                state.params.load_state_dict(sd, strict=True)
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"PatchHandle(method={self.method.name!r}, layers={list(self.layers)}, active={self.active})"
+
+
+def patch_model(
+    model: torch.nn.Module,
+    method: str = "bfla",
+    layers: str | Iterable[int] | None = None,
+    from_pretrained: str | os.PathLike | None = None,
+    **method_config: Any,
+) -> PatchHandle:
+    """Switch a Llama / Gemma / Qwen model's text attention to ``method``.
+
+    ``layers``: None (the method's default: all attention layers, or the full-attention layers for methods that
+    approximate), "all", "eligible", or layer indices; other layers stay exact (dense).
+    ``from_pretrained``: a folder written by ``PatchHandle.save`` whose learned parameters are restored.
+    ``method_config``: validated against the method's config dataclass (``ValueError`` naming a bad key/value).
+    Patching a patched model first removes the previous patch.
+    """
+    m = get_method(method)
+    config = m.make_config(**method_config)
+    base = _unwrap(model)
+    text_config = base.config.get_text_config()
+    patcher = get_patcher(text_config.model_type)
+    modules = patcher.attention_modules(base)
+    if not modules:
+        raise NotImplementedError(f"found no attention module of {patcher.attention_classes} in {type(base).__name__}")
+
+    previous = base.__dict__.get(HANDLE_ATTR)
+    if previous is not None:
+        previous.remove()
+    register()
+    snapshot = [(cfg, cfg._attn_implementation_internal) for cfg in _all_configs(base)]
+
+    eligible = [patcher.is_sparse_eligible(mod) for mod in modules]
+    chosen = _resolve_layers(layers, m, modules, eligible)
+    patched_modules = []
+    for i in chosen:
+        mod = modules[i]
+        state = LayerState(method=m, config=config, layer_idx=mod.layer_idx, sparse_eligible=eligible[i])
+        if m.init_layer is not None:
+            m.init_layer(mod, state)
+            if state.params is not None:
+                mod.add_module(_PARAMS_ATTR, state.params)
+        mod.__dict__[STATE_ATTR] = state
+        patched_modules.append(mod)
+
+    is_composite = base.config is not text_config
+    base.set_attn_implementation({"text_config": ATTN_NAME} if is_composite else ATTN_NAME)
+    total = getattr(text_config, "num_hidden_layers", len(modules))
+    handle = PatchHandle(base, m, config, patched_modules, snapshot, total)
+    base.__dict__[HANDLE_ATTR] = handle
+    if from_pretrained is not None:
+        try:
+            handle.load(from_pretrained)
+        except Exception:
+            handle.remove()
+            raise
+    return handle
+
+
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Restore a patched model (no-op on a model that is not patched)."""
+    handle = _unwrap(model).__dict__.get(HANDLE_ATTR)
+    if handle is not None:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, method: str = "bfla", **kwargs: Any) -> Iterator[PatchHandle]:
+    """``with patched(model, method="entmax", alpha=1.5) as handle: ...`` — unpatched on exit."""
+    handle = patch_model(model, method=method, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.remove()

