@@ -1,0 +1,5 @@
+"""``python -m hf_sparse_attn.eval ...`` == ``hf-sparse-attn eval ...`` (for ``accelerate launch -m``)."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""``hf-sparse-attn eval`` (also ``python -m hf_sparse_attn.eval`` under ``accelerate launch``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .runner import EvalConfig, parse_method_configs, run_eval
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths {text!r} must be comma-separated integers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-sparse-attn eval", description="RULER / LongBench: methods vs dense")
+    p.add_argument("--model", default="smollm2", help="local model folder or offline alias (hf_sparse_attn.models)")
+    p.add_argument("--methods", type=_csv, default=["dense", "bfla"], help="comma-separated; dense always runs")
+    p.add_argument("--tasks", type=_csv, default=["niah_single_1"], help="RULER or LongBench task names")
+    p.add_argument("--lengths", type=_ints, default=[4096], help="comma-separated token budgets")
+    p.add_argument("--samples", type=int, default=5, help="samples per (task, length)")
+    p.add_argument("--out", default="eval_out", help="output folder")
+    p.add_argument(
+        "--method-config",
+        action="append",
+        default=[],
+        metavar="METHOD.KEY=VALUE",
+        help="method config, repeatable, e.g. bfla.keep_mass=0.9",
+    )
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--longbench-dir", default=None, help="folder with the official LongBench JSONL files")
+    p.add_argument("--qa-dir", default=None, help="folder with SQuAD v2 dev / HotpotQA dev JSON (qa_1, qa_2)")
+    p.add_argument("--haystack", default=None, choices=["noise", "essay", "needle"])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="cap on each task's generation budget")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    return EvalConfig(
+        model=args.model,
+        methods=args.methods,
+        tasks=args.tasks,
+        lengths=args.lengths,
+        samples=args.samples,
+        out=args.out,
+        method_configs=parse_method_configs(args.method_config),
+        chat_template=args.chat_template,
+        seed=args.seed,
+        longbench_dir=args.longbench_dir,
+        qa_dir=args.qa_dir,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        haystack=args.haystack,
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    results = run_eval(config_from_args(args))
+    if results is not None:
+        print((os.path.join(args.out, "summary.md") + ":\n") + open(os.path.join(args.out, "summary.md")).read())
+    return 0

@@ -1,0 +1,339 @@
+"""Runner: every (task, length) sample set is generated once, then every method runs on the identical samples.
+
+For each method (the ``dense`` baseline always runs first) and sample: greedy decoding, the prediction, its score,
+the prefill time, the prompt's token count and the method's measured density. Under ``accelerate launch`` the
+samples are sharded over the processes and the rows gathered on the main process; rows are sorted, so
+``results.json`` has the same content (timings aside) as a single-process run.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import platform
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import metrics, ruler
+
+BASELINE = "dense"
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate. ``method_configs`` maps a method name to its ``patch_model`` keyword arguments."""
+
+    model: str
+    methods: list[str]
+    tasks: list[str]
+    lengths: list[int]
+    samples: int = 5
+    out: str = "eval_out"
+    method_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    chat_template: bool = False
+    seed: int = 42
+    longbench_dir: str | None = None
+    qa_dir: str | None = None
+    batch_size: int = 1
+    dtype: str = "float32"
+    haystack: str | None = None
+    max_new_tokens: int | None = None  # cap on the task's generation budget (quick runs); None = the task's
+
+
+def parse_method_configs(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``["bfla.keep_mass=0.9", "entmax.alpha=1.5"]`` -> ``{"bfla": {"keep_mass": 0.9}, "entmax": {"alpha": 1.5}}``."""
+    out: dict[str, dict[str, Any]] = defaultdict(dict)
+    for item in items:
+        key, sep, raw = item.partition("=")
+        method, dot, name = key.partition(".")
+        if not sep or not dot or not method or not name:
+            raise ValueError(f"--method-config {item!r} must look like METHOD.KEY=VALUE, e.g. bfla.keep_mass=0.9")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        out[method][name] = value
+    return dict(out)
+
+
+def _is_longbench(task: str) -> bool:
+    return task not in ruler.TASKS
+
+
+def validate(cfg: EvalConfig) -> None:
+    """Every check that needs no model: unknown task or method, lengths, missing LongBench data."""
+    from hf_sparse_attn import list_methods
+
+    known = list_methods()
+    for m in cfg.methods:
+        if m not in known:
+            raise ValueError(f"unknown or not yet registered method {m!r}; registered methods: {known}")
+    for m, conf in cfg.method_configs.items():
+        if m not in cfg.methods:
+            raise ValueError(f"--method-config given for {m!r}, which is not in --methods {cfg.methods}")
+        from hf_sparse_attn.methods import get_method
+
+        get_method(m).make_config(**conf)  # ValueError naming a bad key/value
+    if not cfg.tasks:
+        raise ValueError("no task given")
+    for task in cfg.tasks:
+        if _is_longbench(task):
+            from . import longbench
+
+            longbench.check_task(task, cfg.longbench_dir)  # clear error for an unknown task or missing file
+        else:
+            need = ruler.min_length(task)
+            for length in cfg.lengths:
+                if length < need:
+                    raise ValueError(f"length {length} is below what task {task!r} needs (at least {need} tokens)")
+    if cfg.samples < 1:
+        raise ValueError(f"samples must be >= 1, got {cfg.samples}")
+    if cfg.batch_size != 1:
+        raise ValueError("batch_size other than 1 is not supported yet (prefill timing is per sample)")
+
+
+def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir: Path) -> list[dict[str, Any]]:
+    path = sample_dir / f"{task}_{length}.jsonl"
+    if path.exists():
+        return ruler.load_samples(path)
+    if _is_longbench(task):
+        from . import longbench
+
+        samples = longbench.load_longbench(task, cfg.longbench_dir, tokenizer=tokenizer, max_length=length)
+        samples = samples[: cfg.samples]
+    else:
+        samples = ruler.generate_samples(
+            task,
+            tokenizer,
+            length,
+            cfg.samples,
+            seed=cfg.seed,
+            haystack=cfg.haystack,
+            chat_template=cfg.chat_template,
+            qa_dir=cfg.qa_dir,
+        )
+    ruler.save_samples(samples, path)
+    return samples
+
+
+@torch.no_grad()
+def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], float]:
+    """Greedy decoding of one prompt ``(1, S)``: returns the new token ids and the prefill time in seconds."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    t0 = time.perf_counter()
+    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    prefill_s = time.perf_counter() - t0
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        if nxt in eos_ids:
+            break
+        out.append(nxt)
+        logits = model(input_ids=torch.tensor([[nxt]], device=input_ids.device), cache=cache, use_cache=True).logits
+    return out, prefill_s
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def run_method(
+    model, tokenizer, method: str, method_config: dict, samples: list[dict], progress=None, max_new_tokens=None
+) -> list[dict]:
+    """Rows of one method over ``samples`` (already this process's shard)."""
+    from hf_sparse_attn import patch_model
+
+    handle = None if method == BASELINE else patch_model(model, method=method, **method_config)
+    eos = _eos_ids(model, tokenizer)
+    rows = []
+    try:
+        for s in samples:
+            enc = tokenizer(s["input"], add_special_tokens=s.get("add_special_tokens", True), return_tensors="pt")
+            ids = enc["input_ids"].to(model.device)
+            budget = int(s["max_new_tokens"])
+            budget = budget if max_new_tokens is None else min(max_new_tokens, budget)
+            new, prefill_s = greedy_decode(model, ids, budget, eos)
+            density = handle.stats()["density"] if handle is not None else 1.0
+            pred = tokenizer.decode(new, skip_special_tokens=True)
+            rows.append(
+                {
+                    "task": s["task"],
+                    "length": int(s["max_length"]),
+                    "method": method,
+                    "sample_id": s["sample_id"],
+                    "prediction": pred,
+                    "answers": s["answers"],
+                    "score": score_sample(s, pred),
+                    "prefill_s": prefill_s,
+                    "input_tokens": int(ids.shape[1]),
+                    "density": density,
+                    "depth": s.get("depth"),
+                }
+            )
+            if progress is not None:
+                progress.update(1)
+    finally:
+        if handle is not None:
+            handle.remove()
+    return rows
+
+
+def score_sample(sample: dict, prediction: str) -> float:
+    """0–100 score of one prediction with the sample's metric (RULER) or its LongBench task metric."""
+    if sample["metric"] in ("string_match_all", "string_match_part"):
+        return metrics.ruler_score(sample["metric"], prediction, sample["answers"])
+    from . import longbench
+
+    return longbench.score_sample(sample["task"], prediction, sample["answers"], sample.get("all_classes"))
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One entry per (task, length, method): mean score, n, Δ score and prefill speed-up vs dense, density."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["length"], r["method"])].append(r)
+    out = []
+    for (task, length, method), rs in groups.items():
+        base = groups.get((task, length, BASELINE), [])
+        score, base_score = _mean([r["score"] for r in rs]), _mean([r["score"] for r in base])
+        t, base_t = _mean([r["prefill_s"] for r in rs]), _mean([r["prefill_s"] for r in base])
+        out.append(
+            {
+                "task": task,
+                "length": length,
+                "method": method,
+                "score": score,
+                "n": len(rs),
+                "delta_vs_dense": None if base_score is None else score - base_score,
+                "prefill_speedup_vs_dense": None if not base_t or not t else base_t / t,
+                "prefill_s": t,
+                "density": _mean([r["density"] for r in rs]),
+            }
+        )
+    return sorted(out, key=lambda a: (a["length"], a["task"], a["method"] != BASELINE, a["method"]))
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import hf_sparse_attn
+
+    return {
+        "hf_sparse_attn": hf_sparse_attn.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+    }
+
+
+def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | None:
+    """Run the evaluation and write ``results.json``, ``summary.md`` and plots into ``cfg.out``.
+
+    Returns the results on the main process (None on the others). ``model``/``tokenizer`` may be passed in
+    (tests); otherwise ``cfg.model`` is loaded with ``hf_sparse_attn.models.load``.
+    """
+    from tqdm.auto import tqdm
+
+    from . import report
+
+    methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
+    cfg.methods = methods
+    validate(cfg)
+    state = _process_state()
+    out = Path(cfg.out)
+    sample_dir = out / "samples"
+    sample_dir.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        from hf_sparse_attn.models import load
+
+        model, tokenizer = load(cfg.model, dtype=getattr(torch, cfg.dtype))
+    if tokenizer is None:
+        from .tokenizer import ByteTokenizer
+
+        tokenizer = ByteTokenizer(model.config.get_text_config().vocab_size)
+    model.eval()
+    if state is not None:
+        model.to(state.device)
+
+    # Samples: generated once on the main process, then read by every process.
+    sets: dict[tuple[str, int], list[dict]] = {}
+    with _main_first(state):
+        for task in cfg.tasks:
+            for length in cfg.lengths:
+                try:
+                    sets[(task, length)] = _samples_for(cfg, tokenizer, task, length, sample_dir)
+                except ruler.TaskDataMissing as e:
+                    if _is_main(state):
+                        print(f"skipping task {task} at length {length}: {e}")
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    shards = {key: s[rank::world] for key, s in sets.items()}
+    total = len(methods) * sum(len(s) for s in shards.values())
+    rows: list[dict] = []
+    with tqdm(total=total, desc="eval", disable=not _is_main(state)) as bar:
+        for method in methods:
+            for (task, length), shard in shards.items():
+                bar.set_postfix_str(f"{method} {task} {length}")
+                conf = cfg.method_configs.get(method, {})
+                rows += run_method(model, tokenizer, method, conf, shard, bar, cfg.max_new_tokens)
+    if state is not None and world > 1:
+        from accelerate.utils import gather_object
+
+        rows = gather_object(rows)
+    if not _is_main(state):
+        return None
+    rows.sort(key=lambda r: (r["length"], r["task"], methods.index(r["method"]), r["sample_id"]))
+    results = {"config": asdict(cfg), "versions": _versions(), "rows": rows, "aggregates": aggregate(rows)}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "summary.md").write_text(report.summary_markdown(results))
+    report.plot_all(results, out)
+    return results
+
+
+def _process_state():
+    """accelerate's PartialState when running under ``accelerate launch`` with several processes, else None."""
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        return None
+    state = PartialState()
+    return state if state.num_processes > 1 else None
+
+
+def _is_main(state) -> bool:
+    return state is None or state.is_main_process
+
+
+class _main_first:
+    """Context manager: the main process runs the body first (sample generation), the others wait."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __enter__(self):
+        if self.state is not None and not self.state.is_main_process:
+            self.state.wait_for_everyone()
+
+    def __exit__(self, *exc):
+        if self.state is not None and self.state.is_main_process:
+            self.state.wait_for_everyone()

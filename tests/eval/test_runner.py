@@ -1,0 +1,148 @@
+"""The evaluation runner end to end on a tiny random model (byte tokenizer): files, pairing, errors, sharding."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_sparse_attn.eval.runner import EvalConfig, aggregate, parse_method_configs, run_eval, validate
+
+TASKS = ["niah_single_1", "vt"]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        model="tiny-llama",
+        methods=["dense"],
+        tasks=TASKS,
+        lengths=[2400],
+        samples=2,
+        max_new_tokens=8,
+        out=str(tmp_path / "out"),
+    )
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_run_eval_writes_results_summary_and_plots(tmp_path):
+    from hf_sparse_attn import list_methods
+
+    methods = ["dense"] + [m for m in ("bfla", "entmax") if m in list_methods()][:1]
+    if len(methods) == 1:
+        methods.append("dense")  # still exercises the pairing logic below
+    res = run_eval(_cfg(tmp_path, methods=methods))
+    out = tmp_path / "out"
+    for name in ("results.json", "summary.md", "needle_heatmap.png", "score_vs_speedup.png"):
+        assert (out / name).is_file(), name
+    on_disk = json.loads((out / "results.json").read_text())
+    assert set(on_disk) == {"config", "versions", "rows", "aggregates"}
+    row_keys = {
+        "task",
+        "length",
+        "method",
+        "sample_id",
+        "prediction",
+        "answers",
+        "score",
+        "prefill_s",
+        "input_tokens",
+        "density",
+    }
+    assert all(row_keys <= set(r) for r in on_disk["rows"])
+    for a in on_disk["aggregates"]:
+        assert {"task", "length", "method", "score", "n", "delta_vs_dense", "prefill_speedup_vs_dense"} <= set(a)
+        if a["method"] == "dense":
+            assert a["delta_vs_dense"] == 0
+    by_method = {}
+    for r in res["rows"]:
+        by_method.setdefault(r["method"], []).append((r["task"], r["length"], r["sample_id"]))
+    ids = list(by_method.values())
+    assert all(i == ids[0] for i in ids) and len(ids[0]) == len(TASKS) * 2
+    assert sorted((tmp_path / "out" / "samples").iterdir())  # samples saved once and reused
+    assert "| **average** |" in (out / "summary.md").read_text()
+
+
+def test_errors_before_model_work(tmp_path):
+    with pytest.raises(ValueError, match="unknown RULER task|unknown.*task"):
+        validate(_cfg(tmp_path, tasks=["nope_task"]))
+    with pytest.raises(ValueError, match="not yet registered method 'nope'"):
+        validate(_cfg(tmp_path, methods=["dense", "nope"]))
+    with pytest.raises(ValueError, match="below what task 'niah_single_1' needs"):
+        validate(_cfg(tmp_path, lengths=[100]))
+    with pytest.raises((FileNotFoundError, ValueError), match="LongBench|longbench"):
+        validate(_cfg(tmp_path, tasks=["hotpotqa"], longbench_dir=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="METHOD.KEY=VALUE"):
+        parse_method_configs(["keep_mass=0.9"])
+    assert parse_method_configs(["bfla.keep_mass=0.9", "bfla.sink=1"]) == {"bfla": {"keep_mass": 0.9, "sink": 1}}
+
+
+def test_aggregate_delta_and_speedup():
+    rows = [
+        dict(task="t", length=10, method="dense", sample_id=0, score=100.0, prefill_s=2.0, density=1.0),
+        dict(task="t", length=10, method="m", sample_id=0, score=50.0, prefill_s=1.0, density=0.5),
+    ]
+    a = {x["method"]: x for x in aggregate(rows)}
+    assert a["dense"]["delta_vs_dense"] == 0 and a["m"]["delta_vs_dense"] == -50.0
+    assert a["m"]["prefill_speedup_vs_dense"] == 2.0 and a["m"]["density"] == 0.5
+
+
+def test_accelerate_two_processes_match_one(tmp_path):
+    common = [
+        "--model",
+        "tiny-llama",
+        "--methods",
+        "dense",
+        "--tasks",
+        "niah_single_1",
+        "--lengths",
+        "1200",
+        "--samples",
+        "3",
+        "--max-new-tokens",
+        "4",
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    subprocess.run(
+        [sys.executable, "-m", "hf_sparse_attn.eval", *common, "--out", str(one)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+    )
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    proc = subprocess.run(
+        [
+            accelerate,
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "hf_sparse_attn.eval",
+            *common,
+            "--out",
+            str(two),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r1 = json.loads((one / "results.json").read_text())
+    r2 = json.loads((two / "results.json").read_text())
+    strip = lambda rows, keys: [{k: v for k, v in r.items() if k not in keys} for r in rows]  # noqa: E731
+    assert strip(r1["rows"], {"prefill_s"}) == strip(r2["rows"], {"prefill_s"})
+    assert strip(r1["aggregates"], {"prefill_s", "prefill_speedup_vs_dense"}) == strip(
+        r2["aggregates"], {"prefill_s", "prefill_speedup_vs_dense"}
+    )
