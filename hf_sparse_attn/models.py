@@ -446,11 +446,10 @@ def _qwen2_config_from_llama(llama_config):
 
 
 def _convert_qwen2_smollm2(out: Path, work: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     src = _ensure_cached("smollm2")
     llama = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
     qwen2_cls = _transformers_attr("Qwen2ForCausalLM")
     qwen = qwen2_cls._from_config(_qwen2_config_from_llama(llama.config), dtype=torch.float32)
     state = dict(llama.state_dict())
@@ -460,8 +459,9 @@ def _convert_qwen2_smollm2(out: Path, work: Path) -> None:
             state[key] = torch.zeros_like(getattr(layer.self_attn, proj).bias)
     qwen.load_state_dict(state, strict=True)
     qwen.generation_config = llama.generation_config
+    # No tokenizer files here on purpose: AutoTokenizer would pick Qwen2Tokenizer for a "qwen2" config,
+    # whose pre-tokenizer splits text differently from SmolLM2's. `load` uses the smollm2 tokenizer.
     qwen.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
 
 
 _CONVERTERS = {
@@ -504,7 +504,9 @@ def _ensure_cached(alias: str) -> Path:
         try:
             os.rename(out, target)
         except OSError:
-            if not (target / _MARKER).is_file():  # another process did not win the race: a real error
+            # Fails when another process renamed its own complete conversion into place first: keep
+            # that one. Any other failure is real.
+            if not (target / _MARKER).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -524,17 +526,26 @@ def list_models() -> list[str]:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _load_folder(folder: Path, dtype: torch.dtype | None, attn_implementation: str | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# Aliases whose tokenizer lives in another alias's folder.
+_TOKENIZER_FROM = {"qwen2-smollm2": "smollm2"}
+
+
+def _load_model(folder: Path, dtype: torch.dtype | None, attn_implementation: str | None):
+    from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype if dtype is not None else "auto"}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
-    tokenizer = None
-    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+
+
+def _load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it has no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def load(name: str, dtype: torch.dtype | None = None, *, attn_implementation: str | None = None):
@@ -553,10 +564,11 @@ def load(name: str, dtype: torch.dtype | None = None, *, attn_implementation: st
             model = model.to(dtype)
         return model, None
     if name in _CONVERTERS:
-        return _load_folder(_ensure_cached(name), dtype, attn_implementation)
+        model = _load_model(_ensure_cached(name), dtype, attn_implementation)
+        return model, _load_tokenizer(_ensure_cached(_TOKENIZER_FROM.get(name, name)))
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return _load_folder(path, dtype, attn_implementation)
+        return _load_model(path, dtype, attn_implementation), _load_tokenizer(path)
     if path.is_dir():
         raise ValueError(f"{name!r} is a folder without config.json, not a Hugging Face model folder")
     raise ValueError(f"unknown model {name!r}: use a local model folder or one of {list_models()}")
