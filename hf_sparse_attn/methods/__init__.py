@@ -8,6 +8,7 @@ from .base import LayerState, Method, MethodConfig
 
 _BUILTIN = (
     ("dense", "METHOD"),
+    ("entmax", "METHODS"),
 )
 
 _REGISTRY: dict[str, Method] = {}

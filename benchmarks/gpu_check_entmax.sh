@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Entmax part of the one-shot GPU check (DESIGN §9): Triton kernel tests on CUDA, then the benchmark grid
+# (bf16, causal, head_dim 128, GQA 32/8, 8k-32k; forward and forward+backward of entmax α=1.5 vs SDPA flash, and
+# AdaSplash when importable). Writes $OUT/entmax_gpu.json (+ the pytest log). Sized for < 3 min on one H200.
+# Self-checking: exits non-zero when a CUDA test fails or the kernel disagrees with the PyTorch path.
+#   OUT=/tmp/out bash benchmarks/gpu_check_entmax.sh
+set -uo pipefail
+OUT="${OUT:-/tmp/hf_sparse_attn_gpu}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+
+status=0
+timeout 100 "$PY" -m pytest tests/test_entmax_triton.py -q -k "cuda and bfloat16" -p no:cacheprovider \
+    >"$OUT/entmax_pytest.log" 2>&1 || status=1
+tail -3 "$OUT/entmax_pytest.log"
+
+timeout 150 "$PY" - "$OUT" <<'EOF' || status=1
+import json, statistics, sys, time, traceback
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hf_sparse_attn.methods import entmax as E
+
+out_dir = sys.argv[1]
+dev = "cuda"
+res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "B=1 Hq=32 Hkv=8 d=128 bf16 causal",
+       "rows": [], "checks": {}, "errors": []}
+try:
+    import triton
+    res["triton"] = triton.__version__
+except Exception:  # noqa: BLE001
+    pass
+
+
+def timed(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def qkv(n, grad=False, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(1, 32, n, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, n, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def sdpa(q, k, v):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+
+
+def fwd_bwd(fn, q, k, v):
+    def run():
+        o = fn(q, k, v)
+        o.backward(torch.ones_like(o))
+        for t in (q, k, v):
+            t.grad = None
+    return run
+
+
+# --- self-check: Triton kernel vs the blockwise PyTorch path (same GPU), fp32 compute, 2k tokens, GQA, softcap
+try:
+    q, k, v = (t.float().requires_grad_(True) for t in qkv(2048))
+    for alpha in (1.5, 2.0, 1.25):
+        a = torch.full((32,), alpha, device=dev)
+        mode = E._alpha_mode(alpha)
+        nv = E.key_counts(None, 1, 2048, 2048, causal=True, sliding_window=None, device=dev)
+        tri = E.entmax_fwd(q, k, v, a, nv, None, None, 128 ** -0.5, 30.0, 0, True, mode, True)
+        ref = E._blockwise_forward(q.detach(), k.detach(), v.detach(), a, nv, None, None, 128 ** -0.5, 30.0, 0,
+                                   True, mode, True)
+        err = float((tri[0] - ref[0]).abs().max())
+        density = float(tri[3].sum() / (32 * nv.sum()))
+        res["checks"][f"alpha{alpha}"] = {"max_abs_err_vs_torch": err, "density": density}
+        if not err < 1e-3:
+            res["errors"].append(f"alpha {alpha}: kernel vs torch path max err {err}")
+except Exception:  # noqa: BLE001
+    res["errors"].append(traceback.format_exc())
+
+try:
+    from adasplash import adasplash
+except Exception:  # noqa: BLE001
+    adasplash = None
+res["adasplash"] = adasplash is not None
+
+t_start = time.time()
+for n in (8192, 16384, 32768):
+    row = {"n": n}
+    try:
+        with torch.no_grad():
+            q, k, v = qkv(n)
+            row["sdpa_fwd_s"] = timed(lambda: sdpa(q, k, v))
+            row["entmax15_fwd_s"] = timed(lambda: E.entmax_attention(q, k, v, None, alpha=1.5))
+            if adasplash is not None:
+                row["adasplash_fwd_s"] = timed(lambda: adasplash(q, k, v, alpha=1.5, is_causal=True))
+        q, k, v = qkv(n, grad=True)
+        row["sdpa_fwdbwd_s"] = timed(fwd_bwd(sdpa, q, k, v))
+        row["entmax15_fwdbwd_s"] = timed(fwd_bwd(lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5), q, k, v))
+        if adasplash is not None:
+            row["adasplash_fwdbwd_s"] = timed(fwd_bwd(lambda q, k, v: adasplash(q, k, v, alpha=1.5, is_causal=True),
+                                                       q, k, v))
+        for key in list(row):
+            if key.endswith("_s") and not key.startswith("sdpa"):
+                base = row["sdpa_fwd_s"] if "_fwd_s" in key else row["sdpa_fwdbwd_s"]
+                row[key.replace("_s", "_ratio")] = row[key] / base
+    except Exception:  # noqa: BLE001
+        row["error"] = traceback.format_exc()[-2000:]
+    res["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    q = k = v = None
+    torch.cuda.empty_cache()
+    if time.time() - t_start > 100:
+        res["errors"].append(f"stopped after n={n}: time budget")
+        break
+
+with open(f"{out_dir}/entmax_gpu.json", "w") as f:
+    json.dump(res, f, indent=1)
+print(json.dumps(res["checks"]))
+if res["errors"]:
+    print("\n".join(res["errors"]))
+    sys.exit(1)
+EOF
+exit $status

@@ -1,0 +1,405 @@
+"""Triton kernels of α-entmax attention (forward and backward), behind ``torch.ops.hf_sparse_attn.entmax_fwd/bwd``.
+
+Math (see ``hf_sparse_attn.methods.entmax``): scaled logits ``s = (α-1)·z`` (z = softcap(scale·q·k)), probabilities
+``p = [s - τ]_+^{1/(α-1)}`` normalised by their row sum, ``τ`` the root of ``Σ [s - τ]_+^e = 1``.
+
+Forward, one program per (query block, query head); K/V of the head's KV group are read in place (GQA):
+  1. row-max pass over the visible key tiles;
+  2. Newton passes for τ on the safe bracket ``[max - 1, max - n^{1-α}]``: the first step from the high end lands
+     left of the root (f is convex), then Newton from the left increases monotonically; every step is clipped to
+     the bracket, and the loop stops when no row of the block moves by more than ``tol`` (or after ``max_iter``);
+  3. output pass: ``acc += p·V`` — a key tile with no entry above τ skips its P·V product.
+  Stores out (normalised), τ (absolute scaled units), the row sums and the support sizes.
+Backward (``dz = u ⊙ (dP - δ)``, ``u = [s - τ]_+^{(2-α)/(α-1)}``, ``δ = Σ u·dP / Σ u``), p recomputed from τ:
+  * dQ kernel per query block: a δ pass, then dQ (and the per-row α-gradient terms) — stores δ;
+  * dK/dV kernel per (key block, KV head): loops over the query heads of the group and the query blocks that see
+    the key block (no atomics: deterministic).
+Sequence lengths, offsets, window and α are runtime values (no recompilation per length); head_dim, block sizes,
+α mode (1.5 / 2 / general), softcap on/off and padding on/off are compile-time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2/(e^{2x} + 1): exact limits at ±inf, no libdevice (runs under the interpreter).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
+            HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
+    """Scaled logits s = (α-1)·softcap(scale·q·kᵀ) of one tile (fp32), -inf where masked; also tanh for backward."""
+    if FP32:
+        z = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        z = tl.dot(q, tl.trans(k))
+    z = z * scale
+    t = z
+    if HAS_SOFTCAP:
+        t = _tanh(z / softcap)
+        z = softcap * t
+    q_abs = offs_m + q_off
+    valid = (offs_m[:, None] < sq) & (offs_n[None, :] < skv) & (offs_n[None, :] <= q_abs[:, None])
+    if window > 0:
+        valid = valid & (offs_n[None, :] > q_abs[:, None] - window)
+    if HAS_FV:
+        valid = valid & (offs_n[None, :] >= fv)
+    s = tl.where(valid, z * am1, float("-inf"))
+    return s, t, valid
+
+
+@triton.jit
+def _pow_terms(d, em1, MODE: tl.constexpr):
+    """(p = d^e, u = d^(e-1)) for d >= 0 (e = 1/(α-1)); MODE 1: α = 1.5, 2: α = 2, 0: general."""
+    if MODE == 1:
+        u = d
+    elif MODE == 2:
+        u = tl.where(d > 0, 1.0, 0.0)
+    else:
+        u = tl.where(d > 0, tl.exp2(tl.log2(tl.maximum(d, 1e-30)) * em1), 0.0)
+    return u * d, u
+
+
+@triton.jit
+def _entmax_fwd_kernel(
+    Q, K, V, ALPHA, NV, FV, OUT, TAU, NORM, SUPP,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, snvb,
+    sq, skv, q_off, window, rep, hq, scale, softcap, tol, max_iter,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // hq
+    h = bh % hq
+    hk = h // rep
+    alpha = tl.load(ALPHA + h).to(tl.float32)
+    am1 = alpha - 1.0
+    em1 = 1.0 / am1 - 1.0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < sq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    fv = 0
+    if HAS_FV:
+        fv = tl.load(FV + b).to(tl.int32)
+    n = tl.load(NV + b * snvb + offs_m, mask=row_ok, other=0.0).to(tl.float32)
+    live = n > 0
+    n = tl.maximum(n, 1.0)
+    # visible key range of the block
+    hi_key = tl.minimum(skv, q_off + pid_m * BLOCK_M + BLOCK_M)
+    lo_key = 0
+    if window > 0:
+        lo_key = tl.maximum(0, q_off + pid_m * BLOCK_M - window + 1)
+    if HAS_FV:
+        lo_key = tl.maximum(lo_key, fv)
+    lo_key = (lo_key // BLOCK_N) * BLOCK_N
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    offs_nb = tl.arange(0, BLOCK_N)
+
+    # 1. row max
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for start in range(lo_key, hi_key, BLOCK_N):
+        offs_n = start + offs_nb
+        kv_mask = offs_n < skv
+        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
+        s, _t, _v = _scores(q, kt, offs_m, offs_n,
+                            q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        top = tl.maximum(top, tl.max(s, 1))
+    top = tl.where(top > float("-inf"), top, 0.0)
+
+    # 2. Newton for τ on [top - 1, top - n^{1-α}]
+    lo = top - 1.0
+    hi = top - tl.exp2(-am1 * tl.log2(n))
+    tau = hi
+    it = 0
+    moved = tl.max(tl.full([BLOCK_M], 1.0, tl.float32), 0)
+    while (it <= max_iter) & (moved > tol):
+        f = tl.zeros([BLOCK_M], tl.float32)
+        fp = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(lo_key, hi_key, BLOCK_N):
+            offs_n = start + offs_nb
+            kv_mask = offs_n < skv
+            kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
+            s, _t, _v = _scores(q, kt, offs_m, offs_n,
+                                q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+            d = tl.maximum(s - tau[:, None], 0.0)
+            p, u = _pow_terms(d, em1, MODE)
+            f += tl.sum(p, 1)
+            fp += tl.sum(u, 1)
+        fp = fp * (em1 + 1.0)
+        new = tau + (f - 1.0) / tl.maximum(fp, 1e-30)
+        first = it == 0
+        new = tl.where(first, tl.maximum(new, lo), tl.minimum(tl.maximum(new, tau), hi))
+        moved = tl.where(first, 1.0, tl.max(tl.where(live, tl.abs(new - tau), 0.0), 0))
+        tau = new
+        it += 1
+
+    # 3. output
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    supp = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(lo_key, hi_key, BLOCK_N):
+        offs_n = start + offs_nb
+        kv_mask = offs_n < skv
+        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
+        s, _t, _v = _scores(q, kt, offs_m, offs_n,
+                            q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        d = tl.maximum(s - tau[:, None], 0.0)
+        if tl.max(tl.max(d, 1), 0) > 0:
+            p, _u = _pow_terms(d, em1, MODE)
+            total += tl.sum(p, 1)
+            supp += tl.sum(tl.where(p > 0, 1.0, 0.0), 1)
+            vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
+            if FP32:
+                acc += tl.dot(p, vt, input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(vt.dtype), vt)
+    total = tl.where(live, total, 0.0)
+    inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
+    out = acc * inv[:, None]
+    row = bh * sq + offs_m
+    tl.store(OUT + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(TAU + row, tl.where(live, tau, 3.0e38), mask=row_ok)
+    tl.store(NORM + row, tl.where(live, total, 1.0), mask=row_ok)
+    tl.store(SUPP + row, tl.where(live, supp, 0.0), mask=row_ok)
+
+
+@triton.jit
+def _entmax_bwd_dq_kernel(
+    Q, K, V, DO, ALPHA, TAU, NORM, FV, DQ, DELTA, DAROW,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    sq, skv, q_off, window, rep, hq, scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr, NEED_DALPHA: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // hq
+    h = bh % hq
+    hk = h // rep
+    am1 = tl.load(ALPHA + h).to(tl.float32) - 1.0
+    em1 = 1.0 / am1 - 1.0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < sq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    row = bh * sq + offs_m
+    do = tl.load(DO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    tau = tl.load(TAU + row, mask=row_ok, other=3.0e38)
+    inv_norm = 1.0 / tl.load(NORM + row, mask=row_ok, other=1.0)
+    fv = 0
+    if HAS_FV:
+        fv = tl.load(FV + b).to(tl.int32)
+    hi_key = tl.minimum(skv, q_off + pid_m * BLOCK_M + BLOCK_M)
+    lo_key = 0
+    if window > 0:
+        lo_key = tl.maximum(0, q_off + pid_m * BLOCK_M - window + 1)
+    if HAS_FV:
+        lo_key = tl.maximum(lo_key, fv)
+    lo_key = (lo_key // BLOCK_N) * BLOCK_N
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    offs_nb = tl.arange(0, BLOCK_N)
+
+    # δ pass
+    su = tl.zeros([BLOCK_M], tl.float32)
+    sug = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(lo_key, hi_key, BLOCK_N):
+        offs_n = start + offs_nb
+        kv_mask = offs_n < skv
+        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
+        s, _t, _v = _scores(q, kt, offs_m, offs_n,
+                            q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        d = tl.maximum(s - tau[:, None], 0.0)
+        if tl.max(tl.max(d, 1), 0) > 0:
+            _p, u = _pow_terms(d, em1, MODE)
+            vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
+            if FP32:
+                g = tl.dot(do, tl.trans(vt), input_precision="ieee")
+            else:
+                g = tl.dot(do, tl.trans(vt))
+            su += tl.sum(u, 1)
+            sug += tl.sum(u * g, 1)
+    delta = sug / tl.where(su > 0, su, 1.0)
+    tl.store(DELTA + row, delta, mask=row_ok)
+
+    # dQ pass (+ α-gradient terms)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc_a = tl.zeros([BLOCK_M], tl.float32)
+    acc_c = tl.zeros([BLOCK_M], tl.float32)
+    acc_h = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(lo_key, hi_key, BLOCK_N):
+        offs_n = start + offs_nb
+        kv_mask = offs_n < skv
+        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
+        s, t, _v = _scores(q, kt, offs_m, offs_n,
+                           q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        d = tl.maximum(s - tau[:, None], 0.0)
+        if tl.max(tl.max(d, 1), 0) > 0:
+            p, u = _pow_terms(d, em1, MODE)
+            p = p * inv_norm[:, None]
+            vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
+            if FP32:
+                g = tl.dot(do, tl.trans(vt), input_precision="ieee")
+            else:
+                g = tl.dot(do, tl.trans(vt))
+            dz = u * (g - delta[:, None])
+            if HAS_SOFTCAP:
+                dz = dz * (1.0 - t * t)
+            if FP32:
+                dq += tl.dot(dz, kt, input_precision="ieee")
+            else:
+                dq += tl.dot(dz.to(kt.dtype), kt)
+            if NEED_DALPHA:
+                plogp = tl.where(p > 0, p * tl.log(tl.maximum(p, 1e-30)), 0.0)
+                acc_a += tl.sum(g * p, 1)
+                acc_c += tl.sum(g * plogp, 1)
+                acc_h += tl.sum(plogp, 1)
+    tl.store(DQ + row[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if NEED_DALPHA:
+        da = (acc_a - delta) / (am1 * am1) - (acc_c - delta * acc_h) / am1
+        tl.store(DAROW + row, tl.where(row_ok, da, 0.0), mask=row_ok)
+
+
+@triton.jit
+def _entmax_bwd_dkdv_kernel(
+    Q, K, V, DO, ALPHA, TAU, NORM, FV, DELTA, DK, DV,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    sq, skv, q_off, window, rep, hq, hkv, scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // hkv
+    hk = bhk % hkv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_mask = offs_n < skv
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
+    kt = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)
+    vt = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None],
+                 other=0.0)
+    fv = 0
+    if HAS_FV:
+        fv = tl.load(FV + b).to(tl.int32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # query rows that can see this key block: absolute position >= first key; with a window, < last key + window
+    m_lo = tl.maximum(pid_n * BLOCK_N - q_off, 0)
+    m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    m_hi = sq
+    if window > 0:
+        m_hi = tl.minimum(sq, pid_n * BLOCK_N + BLOCK_N - 1 + window - q_off)
+    offs_mb = tl.arange(0, BLOCK_M)
+    for j in range(0, rep):
+        h = hk * rep + j
+        am1 = tl.load(ALPHA + h).to(tl.float32) - 1.0
+        em1 = 1.0 / am1 - 1.0
+        for start in range(m_lo, m_hi, BLOCK_M):
+            offs_m = start + offs_mb
+            row_ok = offs_m < sq
+            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None], other=0.0)
+            row = (b * hq + h) * sq + offs_m
+            tau = tl.load(TAU + row, mask=row_ok, other=3.0e38)
+            s, t, _v = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
+                               HAS_SOFTCAP, HAS_FV, FP32)
+            d = tl.maximum(s - tau[:, None], 0.0)
+            if tl.max(tl.max(d, 1), 0) > 0:
+                p, u = _pow_terms(d, em1, MODE)
+                inv_norm = 1.0 / tl.load(NORM + row, mask=row_ok, other=1.0)
+                p = p * inv_norm[:, None]
+                do = tl.load(DO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+                if FP32:
+                    g = tl.dot(do, tl.trans(vt), input_precision="ieee")
+                    dv += tl.dot(tl.trans(p), do, input_precision="ieee")
+                else:
+                    g = tl.dot(do, tl.trans(vt))
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                dz = u * (g - delta[:, None])
+                if HAS_SOFTCAP:
+                    dz = dz * (1.0 - t * t)
+                if FP32:
+                    dk += tl.dot(tl.trans(dz), q, input_precision="ieee")
+                else:
+                    dk += tl.dot(tl.trans(dz.to(q.dtype)), q)
+    out = bhk * skv + offs_n
+    tl.store(DK + out[:, None] * HEAD_DIM + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=kv_mask[:, None])
+    tl.store(DV + out[:, None] * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask[:, None])
+
+
+def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps)."""
+    if dtype == torch.float32 or head_dim >= 256:
+        return 32, 32, 4
+    return 64, 64, 4
+
+
+TOL = 1e-6
+MAX_ITER = 30
+
+
+def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode):
+    """Launch the forward kernel. Returns (out, τ, row sums, support sizes) like ``entmax_fwd``."""
+    b, hq, sq, dh = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty((b, hq, sq, dh), dtype=q.dtype, device=q.device)
+    tau = torch.empty((b, hq, sq), dtype=ct, device=q.device)
+    norm = torch.empty_like(tau)
+    supp = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    nv = n_valid.to(torch.float32).contiguous()
+    fv = first_valid if first_valid is not None else tau  # dummy pointer when unused
+    bm, bn, warps = _blocks(dh, q.dtype)
+    grid = (triton.cdiv(sq, bm), b * hq)
+    _entmax_fwd_kernel[grid](
+        q, k, v, alpha.to(torch.float32).contiguous(), nv, fv, out, tau, norm, supp,
+        *q.stride(), *k.stride(), *v.stride(), nv.stride(0) if nv.shape[0] > 1 else 0,
+        sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0), TOL, MAX_ITER,
+        HEAD_DIM=dh, BLOCK_M=bm, BLOCK_N=bn, MODE=int(mode), HAS_SOFTCAP=bool(softcap),
+        HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, num_warps=warps,
+    )
+    return out, tau, norm, supp
+
+
+def backward(dout, q, k, v, alpha, tau, norm, first_valid, scale, softcap, window, mode, need_dalpha):
+    """Launch the backward kernels. Returns (dq, dk, dv, dalpha (Hq,)) like ``entmax_bwd``."""
+    b, hq, sq, dh = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    do = dout.contiguous()
+    tau = tau.contiguous()
+    norm = norm.contiguous()
+    dq = torch.empty((b, hq, sq, dh), dtype=q.dtype, device=q.device)
+    dk = torch.empty((b, hkv, skv, dh), dtype=k.dtype, device=q.device)
+    dv = torch.empty((b, hkv, skv, dh), dtype=v.dtype, device=q.device)
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    darow = torch.zeros((b, hq, sq), dtype=torch.float32, device=q.device)
+    fv = first_valid if first_valid is not None else delta
+    alpha32 = alpha.to(torch.float32).contiguous()
+    bm, bn, warps = _blocks(dh, q.dtype)
+    common = dict(HEAD_DIM=dh, BLOCK_M=bm, BLOCK_N=bn, MODE=int(mode), HAS_SOFTCAP=bool(softcap),
+                  HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, num_warps=warps)
+    strides = (*q.stride(), *k.stride(), *v.stride())
+    _entmax_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
+        q, k, v, do, alpha32, tau, norm, fv, dq, delta, darow, *strides,
+        sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0),
+        NEED_DALPHA=bool(need_dalpha), **common,
+    )
+    _entmax_bwd_dkdv_kernel[(triton.cdiv(skv, bn), b * hkv)](
+        q, k, v, do, alpha32, tau, norm, fv, delta, dk, dv, *strides,
+        sq, skv, skv - sq, int(window), hq // hkv, hq, hkv, float(scale), float(softcap or 1.0), **common,
+    )
+    dalpha = darow.sum(dim=(0, 2)).to(alpha.dtype) if need_dalpha else torch.zeros_like(alpha, dtype=ct)
+    return dq, dk, dv, dalpha

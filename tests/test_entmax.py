@@ -1,0 +1,414 @@
+"""α-entmax family: exact row-wise math, the blockwise path, the methods on tiny models (fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from hf_sparse_attn import patch_model
+from hf_sparse_attn.functional import sparse_attention
+from hf_sparse_attn.masks import LeftPadding
+from hf_sparse_attn.methods import entmax as E
+from hf_sparse_attn.methods.dense import dense_attention
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny float64 matmuls are dominated by thread hand-off on a loaded 2-core machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _qkv(b=2, hq=4, hkv=2, sq=7, skv=7, d=8, dtype=torch.float32, grad=False, seed=0, std=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=F64) for h, s in ((hq, sq), (hkv, skv), (hkv, skv)))
+    q = q * std
+    return [t.to(dtype).requires_grad_(grad) for t in (q, k, v)]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Row-wise entmax (reference)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
+def test_rows_sum_to_one_with_exact_zeros_and_match_entmax_package(alpha):
+    entmax_pkg = pytest.importorskip("entmax")
+    z = torch.randn(5, 6, 40, dtype=F64) * 3
+    p = E.entmax(z, alpha)
+    assert (p.sum(-1) - 1).abs().max() < 1e-12
+    assert (p == 0).any() and (p >= 0).all()
+    if alpha == 1.5:
+        ref = entmax_pkg.entmax15(z)
+    elif alpha == 2.0:
+        ref = entmax_pkg.sparsemax(z)
+    else:
+        ref = entmax_pkg.entmax_bisect(z, alpha, n_iter=100)
+    assert (p - ref).abs().max() < 1e-10
+    p32 = E.entmax(z.float(), alpha)
+    assert (p32.sum(-1) - 1).abs().max() < 1e-5 and (p32 == 0).any()
+
+
+def test_finite_masking_and_fully_masked_rows():
+    z = torch.randn(3, 9, dtype=F64) * 5
+    mask = torch.rand(3, 9) > 0.4
+    mask[1] = False
+    p = E.entmax(z, 1.5, mask)
+    assert torch.isfinite(p).all()
+    assert (p[~mask] == 0).all() and (p[1] == 0).all()
+    assert (p[[0, 2]].sum(-1) - 1).abs().max() < 1e-12
+
+
+def test_gradcheck_rowwise_with_alpha_gradient():
+    z = torch.randn(2, 3, 6, dtype=F64, requires_grad=True)
+    alpha = torch.tensor([1.3, 1.6, 1.9], dtype=F64).reshape(1, 3, 1).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z, a: E.entmax(z, a), (z, alpha))
+    for a in (1.5, 2.0):
+        assert torch.autograd.gradcheck(lambda z, a=a: E.entmax(z, a), (z,))
+
+
+def test_bad_alpha_raises_naming_alpha():
+    for bad in (1.0, 0.5, 2.5, "x"):
+        with pytest.raises(ValueError, match="alpha"):
+            E.EntmaxConfig(alpha=bad)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"alpha.*\(1\.0, 2\.0\]"):
+        sparse_attention(q, k, v, method="entmax", alpha=2.5)
+    with pytest.raises(ValueError, match="alpha"):
+        E.entmax(torch.zeros(3), 1.0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Blockwise path vs reference
+# ------------------------------------------------------------------------------------------------------------------
+
+CASES = [
+    # b, hq, hkv, sq, skv, window, softcap
+    (2, 4, 2, 13, 13, None, None),
+    (1, 4, 1, 5, 23, None, 3.0),  # query offset, GQA 4
+    (2, 6, 3, 17, 17, 5, None),  # sliding window
+    (1, 2, 2, 1, 19, 6, 2.0),  # decode with window + softcap
+]
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
+@pytest.mark.parametrize("case", CASES)
+def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case):
+    b, hq, hkv, sq, skv, window, softcap = case
+    monkeypatch.setattr(E, "_CHUNK_ELEMS", 64)  # many chunks of a few rows
+    q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True)
+    kw = dict(alpha=alpha, scale=0.8, softcap=softcap, sliding_window=window)
+    out = E.entmax_attention(q, k, v, None, **kw)
+    ref = E.entmax_attention_reference(q, k, v, None, **kw)
+    assert (out - ref).abs().max() < 1e-10
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    for a, r in zip(grads, ref_grads, strict=True):
+        assert (a - r).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("std", [0.05, 3.0])  # flat rows (Newton on the full row) and peaked rows (top-k)
+@pytest.mark.parametrize("alpha", [1.1, 1.5, 2.0])
+def test_blockwise_fp32_paths(alpha, std):
+    q, k, v = _qkv(1, 4, 2, 70, 300, 16, std=std)
+    out = E.entmax_attention(q, k, v, None, alpha=alpha)
+    ref = E.entmax_attention_reference(q.double(), k.double(), v.double(), None, alpha=alpha)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_compute_in_fp32(dtype):
+    q, k, v = _qkv(1, 4, 2, 9, 9, 16, dtype=dtype, std=2.0)
+    out = E.entmax_attention(q, k, v, None, alpha=1.5)
+    assert out.dtype == dtype
+    ref = E.entmax_attention_reference(q.float(), k.float(), v.float(), None, alpha=1.5)
+    tol = 1e-2 if dtype == torch.float16 else 4e-2
+    assert (out.float() - ref).abs().max() < tol
+
+
+def test_masks_left_padding_and_bool_rows_without_keys():
+    q, k, v = _qkv(2, 4, 2, 6, 10, dtype=F64, grad=True)
+    lp = LeftPadding(torch.tensor([0, 7]), 6, 10)  # row 1: queries 0.. see keys 7..; none is empty here
+    out = E.entmax_attention(q, k, v, lp, alpha=1.5, sliding_window=3)
+    ref = E.entmax_attention_reference(q, k, v, lp, alpha=1.5, sliding_window=3)
+    assert (out - ref).abs().max() < 1e-12
+    mask = torch.rand(2, 1, 6, 10) > 0.5
+    mask[1, 0, 2] = False  # a row that sees nothing
+    out = E.entmax_attention(q, k, v, mask, alpha=1.5, softcap=2.0)
+    ref = E.entmax_attention_reference(q, k, v, mask, alpha=1.5, softcap=2.0)
+    assert (out - ref).abs().max() < 1e-12 and (out[1, :, 2] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_left_padding_rows_without_keys_are_zero():
+    q, k, v = _qkv(2, 2, 1, 8, 8, dtype=torch.float32, grad=True)
+    lp = LeftPadding(torch.tensor([0, 5]), 8, 8)
+    out = E.entmax_attention(q, k, v, lp, alpha=1.5)
+    assert torch.isfinite(out).all() and (out[1, :, :5] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_gradcheck_blockwise_softcap_window_and_alpha_gradient():
+    q, k, v = _qkv(1, 4, 2, 5, 8, 4, dtype=F64, grad=True)
+    alpha = torch.tensor([1.3, 1.5, 1.8, 1.95], dtype=F64, requires_grad=True)
+    f = lambda q, k, v, a: E.entmax_attention(q, k, v, None, alpha=a, scale=0.9, softcap=2.0, sliding_window=4)
+    assert torch.autograd.gradcheck(f, (q, k, v, alpha), fast_mode=True)
+    f15 = lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5, softcap=3.0)
+    assert torch.autograd.gradcheck(f15, (q, k, v), fast_mode=True)
+    ref = lambda q, k, v, a: E.entmax_attention_reference(q, k, v, None, alpha=a, softcap=2.0)
+    assert torch.autograd.gradcheck(ref, (q, k, v, alpha), fast_mode=True)
+
+
+def test_alpha_near_one_approaches_softmax():
+    q, k, v = _qkv(1, 4, 2, 12, 12, 16)
+    out = E.entmax_attention(q, k, v, None, alpha=1.001)
+    dense = dense_attention(q, k, v, None)
+    assert (out - dense).abs().max() < 5e-3
+    assert (E.entmax_attention(q, k, v, None, alpha=1.5) - dense).abs().max() > 5e-2
+
+
+def test_noncontiguous_query_and_opcheck():
+    q, k, v = _qkv(1, 4, 2, 6, 6, 8)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not qt.is_contiguous()
+    assert torch.equal(E.entmax_attention(qt, k, v, None), E.entmax_attention(q, k, v, None))
+    alpha = torch.full((4,), 1.5)
+    nv = torch.arange(1, 7, dtype=torch.float32)[None]
+    torch.library.opcheck(
+        torch.ops.hf_sparse_attn.entmax_fwd.default, (qt, k, v, alpha, nv, None, None, 0.5, 0.0, 0, True, 1, True)
+    )
+
+
+def test_stats_zero_fraction():
+    q, k, v = _qkv(1, 4, 2, 16, 16, 8, std=3.0)
+    stats = {}
+    out = E.entmax_attention(q, k, v, None, alpha=1.5, stats=stats)
+    ref_p = E.entmax(
+        torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) * 8**-0.5,
+        1.5,
+        torch.ones(16, 16, dtype=torch.bool).tril(),
+    )
+    assert out.shape == q.shape
+    allowed = 4 * 16 * 17 // 2
+    assert int(stats["allowed"]) == allowed
+    assert int(stats["support"]) == int((ref_p > 0).sum())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Methods on tiny models
+# ------------------------------------------------------------------------------------------------------------------
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attention_dropout=0.0)
+
+
+def _tiny(arch):
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**COMMON))
+    elif arch == "gemma2":
+        model = Gemma2ForCausalLM(
+            Gemma2Config(**COMMON, sliding_window=4, query_pre_attn_scalar=16, attn_logit_softcapping=5.0)
+        )
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**COMMON))
+    # Larger q/k weights so attention is peaked (and sparse) rather than uniform.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    return model.eval()
+
+
+def _ids(batch=1, length=12, seed=1):
+    return torch.randint(3, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+METHOD_KW = {
+    "entmax": {"alpha": 1.5},
+    "sparsemax": {},
+    "asentmax": {"beta_init": 0.3, "gamma": 1.0},
+    "ssmax": {"s_init": 0.5},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("method", ["entmax", "sparsemax", "asentmax", "ssmax"])
+def test_prefill_equals_token_by_token_decode(arch, method):
+    model = _tiny(arch)
+    ids = _ids(length=11)
+    handle = patch_model(model, method=method, **METHOD_KW[method])
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(ids.shape[1])]
+    step = torch.cat(steps, dim=1)
+    assert (full - step).abs().max() < 1e-4
+    out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 10)
+    if method != "ssmax":
+        with torch.no_grad():
+            model(input_ids=ids)
+        st = handle.stats()
+        assert 0 < st["density"] < 1
+        for entry in st["layers"].values():
+            assert abs(entry["density"] + entry["zero_fraction"] - 1) < 1e-12
+    handle.remove()
+
+
+def test_left_padded_batch_no_nan_and_matches_unpadded_rows():
+    model = _tiny("llama")
+    ids = _ids(batch=2, length=10)
+    am = torch.ones_like(ids)
+    am[1, :4] = 0
+    with torch.no_grad(), patch_model(model, method="entmax"):
+        padded = model(input_ids=ids, attention_mask=am).logits
+        alone = model(input_ids=ids[1:, 4:]).logits
+        gen = model.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.isfinite(padded).all()
+    assert (padded[1, 4:] - alone[0]).abs().max() < 1e-4
+    assert gen.shape == (2, 13)
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def test_learn_alpha_trains_and_save_load_roundtrip(tmp_path):
+    model = _tiny("llama")
+    ids = _ids(batch=2, length=16)
+    handle = patch_model(model, method="entmax", alpha=1.5, learn_alpha=True)
+    params = [p for n, p in model.named_parameters() if "hf_sparse_attn_params" in n]
+    assert len(params) == 2 and all(p.shape == (4,) for p in params)
+    alpha0 = torch.stack([handle.layers[i].params.alpha() for i in (0, 1)]).detach().clone()
+    assert torch.allclose(alpha0, torch.full_like(alpha0, 1.5))
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = _loss(model, ids)
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    alpha1 = torch.stack([handle.layers[i].params.alpha() for i in (0, 1)]).detach()
+    assert (alpha1 - alpha0).abs().max() > 1e-3
+    assert ((alpha1 >= 1.01) & (alpha1 <= 2.0)).all()
+    assert "alpha" in handle.stats()["layers"][0]
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    handle.save(tmp_path / "ent")
+    handle.remove()
+    fresh = _tiny("llama")
+    fresh.load_state_dict(model.state_dict(), strict=False)
+    h2 = patch_model(fresh, method="entmax", alpha=1.5, learn_alpha=True, from_pretrained=tmp_path / "ent")
+    with torch.no_grad():
+        after = fresh(input_ids=ids).logits
+    assert torch.equal(before, after)
+    h2.remove()
+
+
+@pytest.mark.parametrize("method", ["asentmax", "ssmax"])
+def test_variant_parameters_learn_and_roundtrip(tmp_path, method):
+    model = _tiny("qwen3")
+    ids = _ids(batch=1, length=12)
+    handle = patch_model(model, method=method, **METHOD_KW[method])
+    params = {n: p for n, p in model.named_parameters() if "hf_sparse_attn_params" in n}
+    assert params
+    before = {n: p.detach().clone() for n, p in params.items()}
+    model.train()
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    opt.zero_grad()
+    _loss(model, ids).backward()
+    opt.step()
+    assert any((p - before[n]).abs().max() > 0 for n, p in params.items())
+    model.eval()
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    handle.save(tmp_path / method)
+    handle.remove()
+    h2 = patch_model(model, method=method, **METHOD_KW[method], from_pretrained=tmp_path / method)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref)
+    h2.remove()
+
+
+@pytest.mark.parametrize("method,kw", [("entmax", {"learn_alpha": True}), ("asentmax", {"beta_init": 0.2})])
+def test_gradient_checkpointing_gives_identical_grads(method, kw):
+    model = _tiny("gemma2")
+    ids = _ids(batch=2, length=10)
+    handle = patch_model(model, method=method, **kw)
+
+    def grads(ckpt):
+        model.train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        model.zero_grad()
+        # use_cache=False in both runs: checkpointing forces it, and a cache changes the mask form HF passes
+        # (bool tensor vs None), hence the chunk shapes and the float rounding of the matmuls.
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if ckpt:
+            model.gradient_checkpointing_disable()
+        return out
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain.keys() == ckpt.keys() and any("hf_sparse_attn_params" in n for n in plain)
+    for n in plain:
+        assert torch.equal(plain[n], ckpt[n]), n
+    handle.remove()
+
+
+def test_alpha_schedule_and_set_alpha():
+    assert E.alpha_schedule(0, 100) == pytest.approx(1.01)
+    assert E.alpha_schedule(50, 100, start=1.0 + 1e-3, end=2.0) == pytest.approx(1.5005)
+    assert E.alpha_schedule(500, 100) == pytest.approx(1.5)
+    model = _tiny("llama")
+    ids = _ids()
+    with torch.no_grad():
+        handle = patch_model(model, method="entmax", alpha=1.5)
+        a = model(input_ids=ids).logits
+        E.set_alpha(model, 2.0)
+        assert handle.config.alpha == 2.0
+        b = model(input_ids=ids).logits
+        handle.remove()
+        with patch_model(model, method="sparsemax"):
+            c = model(input_ids=ids).logits
+        assert torch.allclose(b, c, atol=1e-5) and not torch.allclose(a, b, atol=1e-3)
+        handle = patch_model(model, method="entmax", learn_alpha=True)
+        E.set_alpha(handle, 1.2)
+        assert torch.allclose(handle.layers[0].params.alpha(), torch.full((4,), 1.2))
+        handle.remove()
+    with pytest.raises(ValueError, match="alpha"):
+        E.set_alpha(model, 3.0)
+
+
+def test_variant_configs_validate():
+    from hf_sparse_attn.methods.entmax_variants import ASEntmaxConfig, SSMaxConfig
+
+    with pytest.raises(ValueError, match="gamma"):
+        ASEntmaxConfig(gamma=0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        ASEntmaxConfig(alpha=1.0)
+    with pytest.raises(ValueError, match="ref_len"):
+        SSMaxConfig(ref_len=1)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="unknown config key"):
+        sparse_attention(q, k, v, method="ssmax", alpha=1.5)
