@@ -303,7 +303,8 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
     if not _is_main(state):
         return None
     rows.sort(key=lambda r: (r["length"], r["task"], methods.index(r["method"]), r["sample_id"]))
-    results = {"config": asdict(cfg), "versions": _versions(), "rows": rows, "aggregates": aggregate(rows)}
+    config = {**asdict(cfg), "num_processes": world}
+    results = {"config": config, "versions": _versions(), "rows": rows, "aggregates": aggregate(rows)}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.md").write_text(report.summary_markdown(results))
     report.plot_all(results, out)
@@ -316,7 +317,9 @@ def _process_state():
         from accelerate import PartialState
     except ImportError:
         return None
-    state = PartialState()
+    from hf_sparse_attn.distributed import cpu_only_multiprocess
+
+    state = PartialState(cpu=cpu_only_multiprocess())
     return state if state.num_processes > 1 else None
 
 

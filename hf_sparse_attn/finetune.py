@@ -92,6 +92,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .distributed import cpu_only_multiprocess
+
 __all__ = [
     "Chunk",
     "FinetuneResult",
@@ -679,17 +681,6 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _cpu_only_multiprocess() -> bool:
-    """True for a multi-process launch (torchrun / ``accelerate launch --multi_gpu``) on a machine without an
-    accelerator: accelerate then needs ``cpu=True`` to start a gloo process group (MULTI_CPU) instead of
-    running every process as an independent single-process job."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    has_accel = getattr(torch, "accelerator", None)
-    available = has_accel.is_available() if has_accel is not None else torch.cuda.is_available()
-    return not available
-
-
 def _single_process_cpu_launch(accelerator) -> bool:
     """``accelerate launch --cpu --num_processes N>1`` without MPI: the simple launcher sets MASTER_ADDR and
     ACCELERATE_USE_CPU but starts one process (accelerate 1.x)."""
@@ -717,7 +708,7 @@ def run(args: argparse.Namespace) -> FinetuneResult:
         method_config["learn_alpha"] = True
     out = Path(args.output_dir)
 
-    accelerator = Accelerator(cpu=_cpu_only_multiprocess())
+    accelerator = Accelerator(cpu=cpu_only_multiprocess())
     set_seed(args.seed)
     main = accelerator.is_main_process
 

@@ -103,7 +103,7 @@ def test_accelerate_two_processes_match_one(tmp_path):
         "--max-new-tokens",
         "4",
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     one = tmp_path / "one"
     two = tmp_path / "two"
     subprocess.run(
@@ -118,7 +118,7 @@ def test_accelerate_two_processes_match_one(tmp_path):
         [
             accelerate,
             "launch",
-            "--cpu",
+            "--multi_gpu",
             "--num_processes",
             "2",
             "--num_machines",
@@ -141,6 +141,7 @@ def test_accelerate_two_processes_match_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r1 = json.loads((one / "results.json").read_text())
     r2 = json.loads((two / "results.json").read_text())
+    assert r1["config"]["num_processes"] == 1 and r2["config"]["num_processes"] == 2
     strip = lambda rows, keys: [{k: v for k, v in r.items() if k not in keys} for r in rows]  # noqa: E731
     assert strip(r1["rows"], {"prefill_s"}) == strip(r2["rows"], {"prefill_s"})
     assert strip(r1["aggregates"], {"prefill_s", "prefill_speedup_vs_dense"}) == strip(
