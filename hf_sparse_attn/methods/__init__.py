@@ -9,6 +9,7 @@ from .base import LayerState, Method, MethodConfig
 _BUILTIN = (
     ("dense", "METHOD"),
     ("entmax", "METHODS"),
+    ("bfla", "METHOD"),
 )
 
 _REGISTRY: dict[str, Method] = {}

@@ -1,0 +1,184 @@
+"""BFLA block-sparse attention in Triton: forward (this file) and backward (``bfla_bwd``), wrapped as the custom
+ops ``hf_sparse_attn::bfla_fwd`` / ``hf_sparse_attn::bfla_bwd`` (CPU implementation: the PyTorch reference in
+``hf_sparse_attn.methods.bfla``; CUDA: Triton).
+
+Layout: q ``(B,Hq,Sq,D)`` (any strides), k/v ``(B,Hkv,Skv,D)``; the plan's lists ``counts (B,Hkv,NQ)`` and
+``ids (B,Hkv,NQ,NK)`` (kept key blocks of every query block, ascending). Query block ``I`` holds local rows
+``[I*bs, (I+1)*bs)``; key block ``J`` absolute keys ``[J*bs, (J+1)*bs)``; query row ``i`` sits at key position
+``i + q_offset`` (bottom-right causal). One program = ``BLOCK_M`` rows of one query head; it walks only the kept
+key blocks of its query block (FA2 online softmax in exp2, fp32 accumulators), each in ``BLOCK_N`` sub-tiles, and
+skips the sub-tiles that causality / the window masks entirely. Output: o and the natural-log LSE (fp32).
+Rows that see no key give o = 0 and a finite LSE.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _bfla_fwd_kernel(
+    Q, K, V, OUT, LSE, COUNTS, IDS,
+    sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    sob, soh, som, sod,
+    scb, sch, scq,
+    sib, sih, siq, sik,
+    HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    hq = pid_bh % HQ
+    hkv = hq // (HQ // HKV)
+    m0 = pid_m * BLOCK_M
+    qblk = m0 // BLOCK_SIZE
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < SQ
+    q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    q_abs = offs_m + q_offset
+    q_first = m0 + q_offset
+    q_last = tl.minimum(m0 + BLOCK_M, SQ) - 1 + q_offset
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+
+    cnt = tl.load(COUNTS + b * scb + hkv * sch + qblk * scq)
+    id_base = IDS + b * sib + hkv * sih + qblk * siq
+    k_base = K + b * skb + hkv * skh
+    v_base = V + b * svb + hkv * svh
+    for t in range(0, cnt):
+        kb = tl.load(id_base + t * sik)
+        start = kb * BLOCK_SIZE
+        n_hi = tl.minimum(tl.minimum(BLOCK_SIZE, q_last - start + 1), SKV - start)
+        n_lo = 0
+        if HAS_WINDOW:
+            n_lo = tl.maximum(0, ((q_first - window + 1 - start) // BLOCK_N) * BLOCK_N)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = start + n0 + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < SKV
+            kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
+            vv = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=DOT_PREC)
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+            else:
+                s = s * qk_scale
+            ok = (offs_n[None, :] <= q_abs[:, None]) & col_ok[None, :]
+            if HAS_WINDOW:
+                ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PREC)
+            m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(l_safe)) * 0.6931471805599453
+    tl.store(OUT + b * sob + hq * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + pid_bh * SQ + offs_m, lse, mask=row_ok)
+
+
+def tile_sizes(block_size: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the kernels: both divide ``block_size``."""
+    if head_dim > 128:
+        return min(64, block_size), min(32, block_size)
+    return min(128 if torch.cuda.is_available() else 64, block_size), min(64, block_size)
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int,
+               block_m: int | None = None, block_n: int | None = None):
+    """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse)."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    bm, bn = tile_sizes(block_size, d)
+    bm, bn = block_m or bm, block_n or bn
+    o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(sq, bm), b * hq)
+    num_warps = 8 if (bm >= 128 and d >= 128) else 4
+    _bfla_fwd_kernel[grid](
+        q, k, v, o, lse, counts, ids,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(),
+        hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0),
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), DOT_PREC=_dot_prec(q.dtype),
+        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, num_warps=num_warps, num_stages=2,
+    )
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("hf_sparse_attn::bfla_fwd", mutates_args=())
+def bfla_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
+    scale: float, softcap: float, window: int, block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention over the listed tiles -> (o (B,Hq,Sq,D) contiguous, lse (B,Hq,Sq) fp32).
+    ``softcap=0`` / ``window=0`` mean none. CPU: the PyTorch reference."""
+    from ..methods.bfla import reference_sparse_fwd
+
+    return reference_sparse_fwd(q, k, v, counts, ids, scale, softcap, window, block_size)
+
+
+@bfla_fwd.register_kernel("cuda")
+def _bfla_fwd_cuda(q, k, v, counts, ids, scale, softcap, window, block_size):
+    return triton_fwd(q, k, v, counts, ids, scale, softcap, window, block_size)
+
+
+@bfla_fwd.register_fake
+def _bfla_fwd_fake(q, k, v, counts, ids, scale, softcap, window, block_size):
+    b, hq, sq, d = q.shape
+    return q.new_empty((b, hq, sq, d)), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, counts, ids, scale, softcap, window, block_size = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, counts, ids)
+    ctx.args = (scale, softcap, window, block_size)
+
+
+def _backward(ctx, do, dlse):
+    from .bfla_bwd import bfla_bwd
+
+    q, k, v, o, lse, counts, ids = ctx.saved_tensors
+    dq, dk, dv = bfla_bwd(do.contiguous(), q, k, v, o, lse, counts, ids, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+bfla_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def bfla_sparse_attention(q, k, v, plan, *, scale, softcap=None, sliding_window=None):
+    """Attention over a :class:`~hf_sparse_attn.methods.bfla.BflaPlan` through the custom op (differentiable)."""
+    o, _ = bfla_fwd(q, k, v, plan.counts, plan.ids, float(scale), float(softcap or 0.0), int(sliding_window or 0),
+                    int(plan.block_size))
+    return o

@@ -1,0 +1,321 @@
+"""bfla: estimator + rescues + compact lists (reference), the CPU sparse path, dispatch and model integration."""
+
+import pytest
+import torch
+
+from hf_sparse_attn import patch_model
+from hf_sparse_attn.functional import sparse_attention
+from hf_sparse_attn.methods import bfla, get_method
+from hf_sparse_attn.methods.base import LayerState
+from hf_sparse_attn.methods.dense import dense_attention
+
+BS = 16
+
+
+def _qkv(b=1, hq=4, hkv=2, sq=96, skv=96, d=16, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g, dtype=dtype)
+    k = torch.randn(b, hkv, skv, d, generator=g, dtype=dtype)
+    v = torch.randn(b, hkv, skv, d, generator=g, dtype=dtype)
+    # a few "heavy" keys so that the estimate is not flat
+    k[:, :, :: max(1, skv // 5)] *= 3.0
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def _cfg(**kw):
+    base = dict(block_size=BS, keep_mass=0.7, min_seq_len=0, rows_per_block=4, antidiag_stride=4, flat_entropy=1.0)
+    base.update(kw)
+    return bfla.BflaConfig(**base)
+
+
+def _masked_dense(q, k, v, plan, scale, softcap, window):
+    """dense_attention with the plan's token mask, per KV head (the mask is per KV head)."""
+    sq, skv = q.shape[2], k.shape[2]
+    hkv = k.shape[1]
+    rep = q.shape[1] // hkv
+    tm = bfla.tile_token_mask(plan, sq, skv, window)
+    outs = []
+    for h in range(hkv):
+        m = tm[:, h : h + 1]
+        qh = q[:, h * rep : (h + 1) * rep]
+        o = dense_attention(qh, k[:, h : h + 1], v[:, h : h + 1], m, scale=scale, softcap=softcap)
+        outs.append(o)
+    return torch.cat(outs, 1)
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def test_config_validation_names_key_value_range():
+    with pytest.raises(ValueError, match=r"keep_mass=1\.5.*\(0\.0, 1\.0\]"):
+        bfla.BflaConfig(keep_mass=1.5)
+    with pytest.raises(ValueError, match=r"block_size=100.*\[16, 32, 64, 128, 256\]"):
+        bfla.BflaConfig(block_size=100)
+    with pytest.raises(ValueError, match=r"local=-2.*\[-1,"):
+        bfla.BflaConfig(local=-2)
+    with pytest.raises(ValueError, match=r"sink=1\.5.*integer"):
+        bfla.BflaConfig(sink=1.5)
+    with pytest.raises(ValueError, match=r"estimator='x'.*rows"):
+        bfla.BflaConfig(estimator="x")
+    with pytest.raises(ValueError, match=r"unknown config key 'keepmass'"):
+        get_method("bfla").make_config(keepmass=0.9)
+    with pytest.raises(ValueError, match=r"max_density=0"):
+        sparse_attention(*_qkv(), method="bfla", max_density=0)
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("estimator", bfla.ESTIMATORS)
+def test_estimates_are_distributions_over_valid_blocks(estimator):
+    q, k, _ = _qkv(sq=80, skv=120)
+    cfg = _cfg(estimator=estimator)
+    m = bfla.estimate_block_mass(q, k, scale=0.25, softcap=None, sliding_window=None, config=cfg)
+    valid = bfla.block_valid(80, 120, BS, None, "cpu")
+    assert m.shape == (1, 4, 5, 8)
+    torch.testing.assert_close(m.sum(-1), torch.ones(1, 4, 5), atol=1e-5, rtol=0)
+    assert (m[..., ~valid] == 0).all()
+
+
+def test_rows_estimator_with_all_rows_is_the_oracle():
+    q, k, _ = _qkv(sq=64, skv=64)
+    exact = bfla.exact_block_mass(q, k, scale=0.3, softcap=4.0, block_size=BS)
+    # with every row sampled, the rows estimate is the exact block mass
+    est = bfla.estimate_block_mass(q, k, scale=0.3, softcap=4.0, config=_cfg(rows_per_block=BS))
+    torch.testing.assert_close(est, exact, atol=1e-5, rtol=1e-4)
+
+
+def test_select_by_mass_smallest_set_and_bounds():
+    mass = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert bfla.select_by_mass(mass, 0.8).tolist() == [[True, True, False, False]]
+    assert bfla.select_by_mass(mass, 0.81).tolist() == [[True, True, True, False]]
+    assert bfla.select_by_mass(mass, 0.5).tolist() == [[True, False, False, False]]
+    assert bfla.select_by_mass(mass, 0.99, max_density=0.5).tolist() == [[True, True, False, False]]
+    assert bfla.select_by_mass(mass, 0.1, min_blocks=3).tolist() == [[True, True, True, False]]
+    assert bfla.select_by_mass(mass, 1.0).all()
+
+
+def test_lists_are_deterministic_sorted_and_compact():
+    q, k, _ = _qkv(b=2, sq=128, skv=128)
+    cfg = _cfg()
+    p1 = bfla.build_plan(q, k, scale=0.25, softcap=None, sliding_window=None, config=cfg)
+    p2 = bfla.build_plan(q.clone(), k.clone(), scale=0.25, softcap=None, sliding_window=None, config=cfg)
+    assert p1.counts.dtype == torch.int32 and p1.ids.dtype == torch.int32
+    assert p1.counts.shape == (2, 2, 8) and p1.ids.shape == (2, 2, 8, 8)
+    assert torch.equal(p1.counts, p2.counts) and torch.equal(p1.ids, p2.ids)
+    keep = bfla.plan_keep(p1)
+    for b in range(2):
+        for h in range(2):
+            for i in range(8):
+                n = int(p1.counts[b, h, i])
+                kept = p1.ids[b, h, i, :n].tolist()
+                assert kept == sorted(kept) == torch.nonzero(keep[b, h, i]).flatten().tolist()
+    assert float(bfla.plan_density(p1)) < 1.0  # sparsity happens
+    # transposed lists hold the same tiles
+    tc, tids = bfla.transpose_plan(p1)
+    assert torch.equal(tc.sum(-1), p1.counts.sum(-1))
+
+
+@pytest.mark.parametrize("sq,skv", [(96, 96), (53, 133), (40, 117)])  # offsets 0, 80 (aligned), 77 (unaligned)
+def test_rescues_present_in_absolute_coordinates(sq, skv):
+    q, k, _ = _qkv(sq=sq, skv=skv)
+    cfg = _cfg(keep_mass=0.05, sink=1, local=1, dense_last_blocks=1, flat_entropy=1.0)
+    plan = bfla.build_plan(q, k, scale=0.25, softcap=None, sliding_window=None, config=cfg)
+    keep = bfla.plan_keep(plan)
+    off = skv - sq
+    nq = -(-sq // BS)
+    valid = bfla.block_valid(sq, skv, BS, None, "cpu")
+    for i in range(nq):
+        first, last = off + i * BS, off + min(sq, (i + 1) * BS) - 1
+        row = keep[..., i, :]
+        assert row[..., 0].all(), "sink"
+        for j in range(first // BS - 1, last // BS + 1):  # every block overlapping the queries + 1 back
+            if j >= 0:
+                assert row[..., j].all(), f"local band: query block {i} key block {j}"
+        assert not (row & ~valid[i]).any(), "never a non-causal tile"
+    assert torch.equal(keep[..., nq - 1, :], valid[nq - 1].expand_as(keep[..., nq - 1, :])), "last block dense"
+    # every query row sees its own key (diagonal) in token space
+    tm = bfla.tile_token_mask(plan, sq, skv, None)
+    diag = tm[..., torch.arange(sq), torch.arange(sq) + off]
+    assert diag.all()
+
+
+def test_rescues_switch_off_and_flat_head_fallback():
+    q, k, _ = _qkv(hq=2, hkv=2, sq=128, skv=128)
+    off = _cfg(keep_mass=0.05, sink=0, local=-1, dense_last_blocks=0, flat_entropy=1.0, min_blocks=1)
+    plan = bfla.build_plan(q, k, scale=0.25, softcap=None, sliding_window=None, config=off)
+    assert (plan.counts == 1).all()  # only the top estimated block per row (one query head per KV head)
+    q, k, _ = _qkv(sq=128, skv=128)
+    # flat heads: a query that is zero gives uniform attention -> the whole KV head goes dense
+    qz = q.clone()
+    qz[:, :2] = 0  # query heads 0,1 = KV head 0
+    qz[:, 2:] *= 8  # KV head 1: sharp
+    flat = _cfg(keep_mass=0.05, sink=0, local=-1, dense_last_blocks=0, flat_entropy=0.9)
+    plan = bfla.build_plan(qz, k, scale=0.25, softcap=None, sliding_window=None, config=flat)
+    valid = plan.valid
+    assert torch.equal(plan.counts[0, 0], valid.sum(-1).int())
+    assert (plan.counts[0, 1] < valid.sum(-1)).any()
+
+
+# --------------------------------------------------------------------------------------------- attention
+
+
+CASES = [
+    # (b, hq, hkv, sq, skv, softcap, window, dtype)
+    (1, 4, 2, 96, 96, None, None, torch.float32),
+    (2, 4, 1, 75, 75, 5.0, None, torch.float32),
+    (1, 2, 2, 53, 133, None, None, torch.float32),  # chunked prefill, unaligned query offset
+    (1, 4, 2, 100, 100, None, 37, torch.float32),  # sliding window
+    (1, 4, 2, 40, 117, 3.0, 20, torch.float64),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sparse_equals_dense_with_tile_mask_forward_and_grads(case):
+    b, hq, hkv, sq, skv, softcap, window, dtype = case
+    q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=dtype, grad=True)
+    cfg = _cfg(keep_mass=0.5, flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0)
+    plan = bfla.build_plan(q, k, scale=0.3, softcap=softcap, sliding_window=window, config=cfg)
+    assert float(bfla.plan_density(plan)) < 1.0
+    out = bfla.sparse_attention_cpu(q, k, v, plan, scale=0.3, softcap=softcap, sliding_window=window)
+    ref = _masked_dense(q, k, v, plan, 0.3, softcap, window)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, ref, **tol)
+    g = torch.randn_like(out)
+    gs = torch.autograd.grad((out * g).sum(), (q, k, v))
+    gr = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for a, r in zip(gs, gr, strict=True):
+        torch.testing.assert_close(a, r, **tol)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inference_fast_path_equals_dense_with_tile_mask(case):
+    """Without autograd (batch 1) the split path (mask-free SDPA + explicit diagonal, merged by LSE) runs."""
+    b, hq, hkv, sq, skv, softcap, window, dtype = case
+    q, k, v = _qkv(1, hq, hkv, sq, skv, dtype=dtype)
+    cfg = _cfg(keep_mass=0.5, flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0)
+    plan = bfla.build_plan(q, k, scale=0.3, softcap=softcap, sliding_window=window, config=cfg)
+    with torch.no_grad():
+        out = bfla.sparse_attention_cpu(q, k, v, plan, scale=0.3, softcap=softcap, sliding_window=window)
+    ref = _masked_dense(q, k, v, plan, 0.3, softcap, window)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_rows_without_keys_are_zero_not_nan():
+    # query offset 77: query block 0 (positions 77..92) overlaps key blocks 4 and 5; keep only block 5
+    q, k, v = _qkv(sq=40, skv=117, grad=True)
+    keep = torch.zeros(1, 2, 3, 8, dtype=torch.bool)
+    keep[:, :, 0, 5] = True
+    keep[:, :, 1:, :] = bfla.block_valid(40, 117, BS, None, "cpu")[1:]
+    counts, ids = bfla.compact(keep)
+    plan = bfla.BflaPlan(counts, ids, bfla.block_valid(40, 117, BS, None, "cpu"), BS, 77)
+    with torch.no_grad():
+        fast = bfla.sparse_attention_cpu(q, k, v, plan, scale=0.25)
+    assert (fast[:, :, :3] == 0).all() and torch.isfinite(fast).all()
+    out = bfla.sparse_attention_cpu(q, k, v, plan, scale=0.25)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, :3] == 0).all()  # positions 77, 78, 79 see no kept key
+    ref = _masked_dense(q, k, v, plan, 0.25, None, None)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_keep_mass_one_equals_dense():
+    q, k, v = _qkv(b=2, sq=90, skv=90)
+    out = sparse_attention(q, k, v, method="bfla", block_size=BS, keep_mass=1.0, min_seq_len=0)
+    ref = dense_attention(q, k, v, None, scale=0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_dense_paths_and_noncontiguous_query():
+    q, k, v = _qkv(sq=64, skv=64)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous layout like HF
+    layer = LayerState(method=bfla.METHOD, config=_cfg(), layer_idx=0, sparse_eligible=False)
+    kw = dict(scale=0.25, causal=True, softcap=None, sliding_window=None, config=_cfg())
+    ref = dense_attention(q, k, v, None, scale=0.25)
+    torch.testing.assert_close(bfla.METHOD.forward(qt, k, v, None, layer=layer, **kw), ref)  # ineligible layer
+    short = bfla.BflaConfig(block_size=BS, min_seq_len=1000)
+    torch.testing.assert_close(bfla.METHOD.forward(qt, k, v, None, layer=None, **{**kw, "config": short}), ref)
+    m = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+    torch.testing.assert_close(bfla.METHOD.forward(qt, k, v, m, layer=None, **kw), ref)  # bool mask -> dense
+    # decode (Sq == 1) is dense
+    torch.testing.assert_close(
+        bfla.METHOD.forward(qt[:, :, -1:], k, v, None, layer=None, **kw), ref[:, :, -1:], atol=1e-6, rtol=1e-5
+    )
+    # sparse path on the non-contiguous query equals the contiguous one
+    a = bfla.METHOD.forward(qt, k, v, None, layer=None, **kw)
+    b = bfla.METHOD.forward(q, k, v, None, layer=None, **kw)
+    torch.testing.assert_close(a, b)
+
+
+def test_layer_stats():
+    q, k, v = _qkv(sq=96, skv=96)
+    layer = LayerState(method=bfla.METHOD, config=_cfg(flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0),
+                       layer_idx=0, sparse_eligible=True)
+    bfla.METHOD.forward(q, k, v, None, scale=0.25, causal=True, softcap=None, sliding_window=None,
+                        config=layer.config, layer=layer)
+    st = bfla.layer_stats(layer)
+    assert 0 < st["density"] < 1 and len(st["density_per_head"]) == 2
+    assert all(isinstance(x, float) for x in st["density_per_head"])
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    # sharpen attention so that the estimate is not flat for random weights
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    return model
+
+
+def test_tiny_llama_prefill_generate_and_keep_all_equals_dense():
+    model = _tiny_llama()
+    ids = torch.randint(3, 128, (1, 160), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense_logits = model(ids).logits
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=1.0) as handle:
+        with torch.no_grad():
+            logits = model(ids).logits
+        assert handle.stats()["density"] == pytest.approx(1.0)
+    torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=1e-5)
+
+    handle = patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0)
+    with torch.no_grad():
+        sparse_logits = model(ids).logits
+    st = handle.stats()
+    assert 0 < st["density"] < 1
+    assert all(0 < layer["density"] < 1 for layer in st["layers"].values())
+    assert torch.isfinite(sparse_logits).all()
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 164)
+    # chunked prefill goes through the sparse path with a query offset
+    out2 = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=100)
+    assert out2.shape == (1, 162)
+    handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense_logits)
+
+
+def test_tiny_llama_trains_through_sparse_path():
+    model = _tiny_llama().train()
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
