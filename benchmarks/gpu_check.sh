@@ -7,8 +7,18 @@ OUT="${OUT:-$(pwd)/gpu_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$(pwd):${PYTHONPATH:-}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 unset TRITON_INTERPRET
+# The GPU machine has torch/triton/transformers but not this package: assemble the installed layout
+# (kernels/ and eval/ become hf_sparse_attn.kernels / hf_sparse_attn.eval) in a temporary folder. Never put the
+# repository root itself on PYTHONPATH: a top-level `kernels` package changes transformers' behaviour.
+if ! "$PY" -c "import hf_sparse_attn.kernels" 2>/dev/null; then
+  PKG="$(mktemp -d)"
+  cp -r hf_sparse_attn "$PKG/hf_sparse_attn"
+  cp -r kernels "$PKG/hf_sparse_attn/kernels"
+  cp -r eval "$PKG/hf_sparse_attn/eval"
+  export PYTHONPATH="$PKG:${PYTHONPATH:-}"
+fi
 
 status=0
 section() {  # section NAME TIMEOUT_S CMD...
@@ -35,8 +45,11 @@ cat "$OUT/env.json"
 # 8k..128k: SDPA flash, BFLA kernel at fixed densities, flex_attention with the same block mask, estimator time).
 section bfla_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_bfla_triton.py tests/test_bfla.py \
   --junitxml="$OUT/bfla_tests.xml"
-section bfla_bench 240 "$PY" benchmarks/bench_bfla_gpu.py --out "$OUT/bfla_bench.json" --budget-s 170
+section bfla_bench 170 "$PY" benchmarks/bench_bfla_gpu.py --out "$OUT/bfla_bench.json" --budget-s 140
 # ------------------------------------------------------------------------------------------------------ end bfla
+
+# -------------------------------------------------------------------------------------------------------- entmax
+section entmax 200 env OUT="$OUT" PYTHON="$PY" bash benchmarks/gpu_check_entmax.sh
 
 echo "done: status=$status, results in $OUT"
 exit $status

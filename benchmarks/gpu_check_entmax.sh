@@ -9,7 +9,7 @@ OUT="${OUT:-/tmp/hf_sparse_attn_gpu}"
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 
 status=0
 timeout 100 "$PY" -m pytest tests/test_entmax_triton.py -q -k "cuda and bfloat16" -p no:cacheprovider \

@@ -1,0 +1,272 @@
+"""``hf-sparse-attn bench``: attention-op and end-to-end prefill benchmarks, every figure a ratio to dense measured
+side by side in the same run (methods alternate inside each repetition; median, min and max over repetitions).
+
+(a) Attention op, forward and forward+backward, on Q/K/V captured from a real offline model at lengths inside its
+    trained context (SmolLM2: up to 8k), for ``dense`` (torch SDPA), ``bfla`` (with its density and the estimator's
+    share of dense time), ``entmax`` and peers where installed (the PyPI ``entmax`` package on materialized scores,
+    up to 4k). (b) End-to-end prefill (time to first token) and peak resident memory of the patched model vs dense.
+Writes ``bench.json`` and ``bench.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .functional import sparse_attention
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def capture_qkv(model, tokenizer, length: int, layers: list[int]) -> dict[int, tuple]:
+    """Q/K/V (B,H,S,D) of ``layers`` from one prefill of an essay-haystack RULER prompt of ``length`` tokens."""
+    from transformers import AttentionInterface
+
+    from . import integration
+    from .eval import ruler
+
+    sample = ruler.generate_samples("niah_single_2", tokenizer, length, 1, haystack="essay")[0]
+    ids = tokenizer(sample["input"], return_tensors="pt")["input_ids"]
+    captured: dict[int, tuple] = {}
+
+    def capture(module, q, k, v, mask, **kw):
+        if module.layer_idx in layers:
+            captured[module.layer_idx] = (q.detach().clone(), k.detach().clone(), v.detach().clone(), kw["scaling"])
+        return integration.hf_sparse_attn_forward(module, q, k, v, mask, **kw)
+
+    from .api import patch_model
+
+    handle = patch_model(model, method="dense")
+    AttentionInterface.register(integration.ATTN_NAME, capture)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=1)
+    finally:
+        integration.register()
+        handle.remove()
+    return captured
+
+
+def _peer_fns(length: int) -> dict[str, Any]:
+    peers: dict[str, Any] = {}
+    try:
+        import entmax as entmax_pkg
+
+        if length <= 4096:
+
+            def pypi_entmax(q, k, v, scale):
+                rep = q.shape[1] // k.shape[1]
+                s = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+                s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -1e4)
+                return entmax_pkg.entmax15(s, dim=-1) @ v.repeat_interleave(rep, 1)
+
+            peers["entmax (PyPI, materialized)"] = pypi_entmax
+    except ImportError:
+        peers["entmax (PyPI)"] = "not installed"
+    return peers
+
+
+def _op_fns(methods: list[str], length: int) -> dict[str, Any]:
+    fns: dict[str, Any] = {}
+    for m in methods:
+        if m == "dense":
+            fns[m] = lambda q, k, v, s: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=s, enable_gqa=True
+            )
+        else:
+            fns[m] = lambda q, k, v, s, m=m: sparse_attention(q, k, v, method=m, scale=s)
+    fns.update(_peer_fns(length))
+    return fns
+
+
+def bench_ops(captures: dict[int, tuple], methods: list[str], length: int, reps: int, backward: bool) -> dict:
+    """Per method: summed time over the captured layers per repetition, and its ratio to dense."""
+    fns = _op_fns(methods, length)
+    skipped = {n: f for n, f in fns.items() if isinstance(f, str)}
+    fns = {n: f for n, f in fns.items() if not isinstance(f, str)}
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for rep in range(reps + 1):  # the first repetition is a warm-up
+        for name, fn in fns.items():
+            total = 0.0
+            for q, k, v, scale in captures.values():
+                if backward:
+                    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+                t0 = time.perf_counter()
+                if backward:
+                    fn(q, k, v, scale).sum().backward()
+                else:
+                    with torch.no_grad():
+                        fn(q, k, v, scale)
+                total += time.perf_counter() - t0
+            if rep:
+                times[name].append(total)
+    dense = statistics.median(times["dense"])
+    out = {n: {**_stats(t), "speedup_vs_dense": dense / statistics.median(t)} for n, t in times.items()}
+    out.update({n: {"not_run": why} for n, why in skipped.items()})
+    return out
+
+
+def bfla_overhead(captures: dict[int, tuple]) -> dict[str, float]:
+    """bfla's mean density over the captured layers and the estimator's time as a fraction of dense SDPA time."""
+    from .methods import bfla
+
+    cfg = bfla.BflaConfig()
+    dens, est, dense_t = [], 0.0, 0.0
+    for q, k, v, scale in captures.values():
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            plan = bfla.build_plan(q, k, scale=scale, softcap=None, sliding_window=None, config=cfg)
+            est += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            dense_t += time.perf_counter() - t0
+        dens.append(float(bfla.plan_density(plan).mean()))
+    return {"density": sum(dens) / len(dens), "estimation_fraction_of_dense": est / dense_t}
+
+
+class _PeakRSS:
+    """Peak resident set size (bytes) of this process while the block runs, sampled every 20 ms."""
+
+    def __enter__(self):
+        self.peak, self._stop = self._rss(), threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int) -> dict:
+    """Time to first token and peak memory growth of one prefill, per method (dense = the model unpatched)."""
+    from .api import patch_model
+
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    mem: dict[str, int] = {}
+    density: dict[str, float | None] = {}
+    for rep in range(reps + 1):
+        for m in methods:
+            handle = None if m == "dense" else patch_model(model, method=m)
+            base = _PeakRSS._rss()
+            with torch.no_grad(), _PeakRSS() as peak:
+                t0 = time.perf_counter()
+                model(input_ids=ids, logits_to_keep=1)
+                dt = time.perf_counter() - t0
+            if rep:
+                times[m].append(dt)
+                mem[m] = max(mem.get(m, 0), peak.peak - base)
+                density[m] = handle.stats()["density"] if handle else 1.0
+            if handle:
+                handle.remove()
+    dense = statistics.median(times["dense"])
+    return {
+        m: {
+            **_stats(t),
+            "speedup_vs_dense": dense / statistics.median(t),
+            "peak_rss_growth_mb": mem[m] / 2**20,
+            "density": density[m],
+        }
+        for m, t in times.items()
+    }
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"# hf-sparse-attn bench ({res['device']}, {res['model']}, {res['threads']} threads)", ""]
+    for length, r in res["lengths"].items():
+        lines += [
+            f"## {length} tokens",
+            "",
+            "| measurement | method | median s | min–max s | × vs dense |",
+            "|---|---|---|---|---|",
+        ]
+        for part in ("op_forward", "op_forward_backward", "prefill"):
+            for m, s in r.get(part, {}).items():
+                if "not_run" in s:
+                    lines.append(f"| {part} | {m} | not run: {s['not_run']} | | |")
+                else:
+                    lines.append(
+                        f"| {part} | {m} | {s['median_s']:.3f} | {s['min_s']:.3f}–{s['max_s']:.3f} | "
+                        f"{s['speedup_vs_dense']:.2f}× |"
+                    )
+        o = r.get("bfla_overhead")
+        if o:
+            lines += [
+                "",
+                f"bfla density {o['density']:.3f}; estimation = {100 * o['estimation_fraction_of_dense']:.1f}%"
+                " of dense attention time.",
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import list_methods
+    from .models import load
+
+    p = argparse.ArgumentParser(prog="hf-sparse-attn bench", description=__doc__)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--methods", default="dense,bfla,entmax")
+    p.add_argument("--lengths", default="4096,8192")
+    p.add_argument("--layers", default="3,15,27", help="layers whose Q/K/V are captured for the op benchmark")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--out", default="runs/bench")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    methods = ["dense"] + [m for m in args.methods.split(",") if m and m != "dense"]
+    unknown = [m for m in methods if m not in list_methods()]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; registered: {list_methods()}")
+    model, tok = load(args.model)
+    model.eval()
+    layers = [int(x) for x in args.layers.split(",")]
+    res: dict[str, Any] = {
+        "model": args.model,
+        "threads": args.threads,
+        "reps": args.reps,
+        "layers": layers,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "lengths": {},
+    }
+    for length in (int(x) for x in args.lengths.split(",")):
+        caps = capture_qkv(model, tok, length, layers)
+        r: dict[str, Any] = {"op_forward": bench_ops(caps, methods, length, args.reps, backward=False)}
+        if not args.no_backward:
+            r["op_forward_backward"] = bench_ops(caps, methods, length, args.reps, backward=True)
+        if "bfla" in methods:
+            r["bfla_overhead"] = bfla_overhead(caps)
+        if not args.no_prefill:
+            ids = torch.randint(
+                100, model.config.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0)
+            )
+            r["prefill"] = bench_prefill(model, ids, methods, max(1, args.reps - 1))
+        res["lengths"][str(length)] = r
+        print(to_markdown({**res, "lengths": {str(length): r}}), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(res, indent=1))
+    (out / "bench.md").write_text(to_markdown(res))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0
