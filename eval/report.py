@@ -44,7 +44,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
             delta = _mean([a["delta_vs_dense"] for a in rows])
             avg.append(_fmt(score) if m == BASELINE else f"{_fmt(score)} ({_fmt(delta, '+.1f')})")
             speed.append(_fmt(_mean([a["prefill_speedup_vs_dense"] for a in rows]), ".2f") + "×")
-            dens.append(_fmt(_mean([a["density"] for a in rows]), ".2f"))
+            dens.append(_fmt(_mean([a["density"] for a in rows]), ".3f"))
             secs.append(_fmt(_mean([a["prefill_s"] for a in rows]), ".2f"))
         lines += [
             "| **average** | " + " | ".join(avg) + " |",

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from .masks import hf_sparse_attn_mask
-from .methods.dense import dense_attention
+from .methods.dense import METHOD as DENSE
 
 ATTN_NAME = "hf_sparse_attn"
 STATE_ATTR = "hf_sparse_attn"
@@ -44,30 +44,19 @@ def hf_sparse_attn_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     state = getattr(module, STATE_ATTR, None)
-    if state is None:
-        out = dense_attention(
-            query,
-            key,
-            value,
-            attention_mask,
-            scale=scale,
-            causal=causal,
-            softcap=softcap,
-            sliding_window=sliding_window,
-        )
-    else:
-        out = state.method.forward(
-            query,
-            key,
-            value,
-            attention_mask,
-            scale=scale,
-            causal=causal,
-            softcap=softcap,
-            sliding_window=sliding_window,
-            config=state.config,
-            layer=state,
-        )
+    method, config = (state.method, state.config) if state is not None else (DENSE, None)
+    out = method.forward(
+        query,
+        key,
+        value,
+        attention_mask,
+        scale=scale,
+        causal=causal,
+        softcap=softcap,
+        sliding_window=sliding_window,
+        config=config,
+        layer=state,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -139,15 +139,15 @@ def test_left_padded_batch_gets_compact_descriptor(monkeypatch):
     model = tiny_model("llama").eval()
     patch_model(model, method="dense")
     seen = []
-    from hf_sparse_attn import integration
+    from hf_sparse_attn.methods import dense
 
-    original = integration.dense_attention
+    original = dense.dense_attention
 
     def spy(q, k, v, mask=None, **kw):
         seen.append(mask)
         return original(q, k, v, mask, **kw)
 
-    monkeypatch.setattr(integration, "dense_attention", spy)
+    monkeypatch.setattr(dense, "dense_attention", spy)
     for m in model.modules():  # route every layer through the module-less default path
         m.__dict__.pop("hf_sparse_attn", None)
     ids, am = _inputs(length=40, pad=9)

@@ -69,10 +69,11 @@ class BflaConfig(MethodConfig):
     * ``flat_entropy=0.8``: measured per head, the mean normalized entropy of the estimated block distribution
       tracks the density the head needs: heads above 0.8 (e.g. most of layer 0) need 75–90 % of the blocks, where
       the sparse path is slower than dense and saves nothing, so the whole KV head runs densely (exact).
-    * ``min_seq_len=4096``: measured CPU attention-op speed-up over dense SDPA (1 thread, estimate + sparse):
+    * ``min_seq_len=3072``: measured CPU attention-op speed-up over dense SDPA (1 thread, estimate + sparse):
       1.34× at 4k (density 0.47), 1.42× at 8k (0.39; 10 layers), 2.83× at 16k (0.24; 5 layers, Q/K beyond
       SmolLM2's 8k context). At 4k the rescue floor (sink + local band + last block) is already ~15 % of the
       tiles and the gain is small; below it the per-block overhead makes the sparse path no faster than dense.
+      The threshold sits under 4k so that prompts of a "4k" budget (≈ 3.9k tokens) take the sparse path.
 
     Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
     this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
@@ -88,7 +89,7 @@ class BflaConfig(MethodConfig):
     local: int = 1
     dense_last_blocks: int = 1
     flat_entropy: float = 0.8
-    min_seq_len: int = 4096
+    min_seq_len: int = 3072
     estimator: str = "rows"
     rows_per_block: int = 4
     antidiag_stride: int = 16
