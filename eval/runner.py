@@ -122,14 +122,21 @@ def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir:
 
 
 @torch.no_grad()
-def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], float]:
-    """Greedy decoding of one prompt ``(1, S)``: returns the new token ids and the prefill time in seconds."""
+def greedy_decode(
+    model, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int], after_prefill=None
+) -> tuple[list[int], float, Any]:
+    """Greedy decoding of one prompt ``(1, S)``.
+
+    Returns the new token ids, the prefill time in seconds, and what ``after_prefill()`` returned when called right
+    after the prefill (e.g. the method's measured density, before decode steps overwrite it).
+    """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     t0 = time.perf_counter()
     logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     prefill_s = time.perf_counter() - t0
+    measured = after_prefill() if after_prefill is not None else None
     out: list[int] = []
     for _ in range(max_new_tokens):
         nxt = int(logits[0, -1].argmax())
@@ -137,7 +144,7 @@ def greedy_decode(model, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: 
             break
         out.append(nxt)
         logits = model(input_ids=torch.tensor([[nxt]], device=input_ids.device), cache=cache, use_cache=True).logits
-    return out, prefill_s
+    return out, prefill_s, measured
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -166,8 +173,8 @@ def run_method(
             ids = enc["input_ids"].to(model.device)
             budget = int(s["max_new_tokens"])
             budget = budget if max_new_tokens is None else min(max_new_tokens, budget)
-            new, prefill_s = greedy_decode(model, ids, budget, eos)
-            density = handle.stats()["density"] if handle is not None else 1.0
+            density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)
+            new, prefill_s, density = greedy_decode(model, ids, budget, eos, after_prefill=density_now)
             pred = tokenizer.decode(new, skip_special_tokens=True)
             rows.append(
                 {

@@ -57,26 +57,70 @@ def capture_qkv(model, tokenizer, length: int, layers: list[int]) -> dict[int, t
     return captured
 
 
-def _peer_fns(length: int) -> dict[str, Any]:
-    peers: dict[str, Any] = {}
-    try:
-        import entmax as entmax_pkg
+def _sdpa_math(q, k, v, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        if length <= 4096:
-
-            def pypi_entmax(q, k, v, scale):
-                rep = q.shape[1] // k.shape[1]
-                s = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
-                s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -1e4)
-                return entmax_pkg.entmax15(s, dim=-1) @ v.repeat_interleave(rep, 1)
-
-            peers["entmax (PyPI, materialized)"] = pypi_entmax
-    except ImportError:
-        peers["entmax (PyPI)"] = "not installed"
-    return peers
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 
-def _op_fns(methods: list[str], length: int) -> dict[str, Any]:
+def _flex_same_mask():
+    """torch ``flex_attention`` (compiled) over the same block lists bfla keeps: isolates the estimator and the
+    kernel from the mask. The lists are built outside the timed call; the first call per shape compiles."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    from .methods import bfla
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks: dict[tuple, Any] = {}
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, scale):
+        key = (q.shape, q.data_ptr())
+        if key not in masks:
+            with torch.no_grad():
+                plan = bfla.build_plan(q, k, scale=scale, softcap=None, sliding_window=None, config=bfla.BflaConfig())
+            rep = q.shape[1] // k.shape[1]
+            counts = plan.counts.repeat_interleave(rep, 1).contiguous()
+            ids = plan.ids.repeat_interleave(rep, 1).contiguous()
+            masks[key] = BlockMask.from_kv_blocks(
+                counts, ids, BLOCK_SIZE=plan.block_size, mask_mod=causal, seq_lengths=(q.shape[2], k.shape[2])
+            )
+        return compiled(q, k, v, block_mask=masks[key], scale=scale, enable_gqa=True)
+
+    return run
+
+
+def _peer_fns(length: int, peers: list[str]) -> dict[str, Any]:
+    """Peers measured beside the methods; a peer that cannot run is listed with the reason."""
+    out: dict[str, Any] = {}
+    if "sdpa-math" in peers:
+        out["sdpa (math backend)"] = _sdpa_math
+    if "flex" in peers:
+        out["flex_attention (bfla's block mask)"] = _flex_same_mask()
+    if "entmax-pypi" in peers:
+        try:
+            import entmax as entmax_pkg
+        except ImportError:
+            out["entmax (PyPI)"] = "package not installed"
+        else:
+            if length > 4096:
+                out["entmax (PyPI)"] = "materializes the score matrix: skipped above 4k (several GB)"
+            else:
+
+                def pypi_entmax(q, k, v, scale):
+                    rep = q.shape[1] // k.shape[1]
+                    s = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+                    s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -1e4)
+                    return entmax_pkg.entmax15(s, dim=-1) @ v.repeat_interleave(rep, 1)
+
+                out["entmax (PyPI, materialized)"] = pypi_entmax
+    return out
+
+
+def _op_fns(methods: list[str], length: int, peers: list[str]) -> dict[str, Any]:
     fns: dict[str, Any] = {}
     for m in methods:
         if m == "dense":
@@ -85,13 +129,15 @@ def _op_fns(methods: list[str], length: int) -> dict[str, Any]:
             )
         else:
             fns[m] = lambda q, k, v, s, m=m: sparse_attention(q, k, v, method=m, scale=s)
-    fns.update(_peer_fns(length))
+    fns.update(_peer_fns(length, peers))
     return fns
 
 
-def bench_ops(captures: dict[int, tuple], methods: list[str], length: int, reps: int, backward: bool) -> dict:
+def bench_ops(
+    captures: dict[int, tuple], methods: list[str], length: int, reps: int, backward: bool, peers: list[str] = ()
+) -> dict:
     """Per method: summed time over the captured layers per repetition, and its ratio to dense."""
-    fns = _op_fns(methods, length)
+    fns = _op_fns(methods, length, [p for p in peers if not (backward and p == "flex")])
     skipped = {n: f for n, f in fns.items() if isinstance(f, str)}
     fns = {n: f for n, f in fns.items() if not isinstance(f, str)}
     times: dict[str, list[float]] = {n: [] for n in fns}
@@ -230,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default="3,15,27", help="layers whose Q/K/V are captured for the op benchmark")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument(
+        "--peers",
+        default="sdpa-math,entmax-pypi",
+        help="comma-separated peers: sdpa-math, entmax-pypi, flex (compiles on first use; slow on CPU)",
+    )
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--out", default="runs/bench")
@@ -252,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for length in (int(x) for x in args.lengths.split(",")):
         caps = capture_qkv(model, tok, length, layers)
-        r: dict[str, Any] = {"op_forward": bench_ops(caps, methods, length, args.reps, backward=False)}
+        peers = [p for p in args.peers.split(",") if p]
+        r: dict[str, Any] = {"op_forward": bench_ops(caps, methods, length, args.reps, False, peers)}
         if not args.no_backward:
-            r["op_forward_backward"] = bench_ops(caps, methods, length, args.reps, backward=True)
+            r["op_forward_backward"] = bench_ops(caps, methods, length, args.reps, True, peers)
         if "bfla" in methods:
             r["bfla_overhead"] = bfla_overhead(caps)
         if not args.no_prefill:

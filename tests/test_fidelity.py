@@ -20,7 +20,7 @@ def smollm2():
 
 def _answer(model, tok, sample, max_new_tokens=16):
     ids = tok(sample["input"], add_special_tokens=sample["add_special_tokens"], return_tensors="pt")["input_ids"]
-    new, _ = greedy_decode(model, ids, max_new_tokens, {tok.eos_token_id})
+    new, _, _ = greedy_decode(model, ids, max_new_tokens, {tok.eos_token_id})
     return tok.decode(new, skip_special_tokens=True)
 
 
