@@ -319,3 +319,26 @@ def test_tiny_llama_trains_through_sparse_path():
         loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+# --------------------------------------------------------------------------------------------- flex backend
+
+
+@pytest.mark.parametrize("softcap,window", [(None, None), (5.0, 200)])  # the second falls back to the gather path
+def test_flex_backend_equals_masked_dense(softcap, window):
+    q, k, v = _qkv(hq=4, hkv=2, sq=700, skv=770, d=16, seed=3)
+    cfg = _cfg(block_size=128, keep_mass=0.3, backend="flex", sink=0, local=0, dense_last_blocks=0)
+    with torch.no_grad():
+        out, plan = bfla.bfla_attention(q, k, v, scale=0.25, softcap=softcap, sliding_window=window, config=cfg)
+        ref = _masked_dense(q, k, v, plan, 0.25, softcap, window)
+    assert bfla.plan_density(plan).mean() < 1
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_backend_trains_through_the_gather_path_on_cpu():
+    q, k, v = _qkv(hq=4, hkv=2, sq=300, skv=340, d=16, grad=True, seed=3)
+    flex, plan = bfla.bfla_attention(q, k, v, scale=0.25, config=_cfg(block_size=128, backend="flex"))
+    gather, _ = bfla.bfla_attention(q, k, v, scale=0.25, config=_cfg(block_size=128, backend="torch"))
+    assert torch.equal(flex, gather)
+    flex.sum().backward()
+    assert torch.isfinite(q.grad).all()

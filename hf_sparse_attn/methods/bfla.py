@@ -35,7 +35,7 @@ from .base import LayerState, Method, MethodConfig, check_choice, check_range, l
 from .dense import dense_attention
 
 ESTIMATORS = ("rows", "pooled", "antidiag")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "flex")
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 _BIG = 1 << 30
 
@@ -77,7 +77,8 @@ class BflaConfig(MethodConfig):
 
     Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
     this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
-    ``antidiag`` estimator), ``backend`` ("auto": Triton on CUDA, the PyTorch gather path elsewhere).
+    ``antidiag`` estimator), ``backend`` ("auto": Triton on CUDA, the PyTorch gather path elsewhere; "flex":
+    torch ``flex_attention`` compiled with a ``BlockMask`` built from the same lists — compiles once, on first use).
     Every rescue can be switched off: ``sink=0``, ``local=-1``, ``dense_last_blocks=0``, ``flat_entropy=1.0``.
     """
 
@@ -597,8 +598,18 @@ def sparse_attention_cpu(
     heads = []
     for h in range(hkv):
         if bool((counts[:, h] == n_valid).all()):  # a dense head (flat fallback, keep-all): one exact SDPA call
-            heads.append(dense_attention(q[:, h * rep : (h + 1) * rep], k[:, h : h + 1], v[:, h : h + 1], None,
-                                         scale=scale, causal=True, softcap=softcap, sliding_window=sliding_window))
+            heads.append(
+                dense_attention(
+                    q[:, h * rep : (h + 1) * rep],
+                    k[:, h : h + 1],
+                    v[:, h : h + 1],
+                    None,
+                    scale=scale,
+                    causal=True,
+                    softcap=softcap,
+                    sliding_window=sliding_window,
+                )
+            )
             continue
         pieces = []
         for i in range(nq):
@@ -608,8 +619,21 @@ def sparse_attention_cpu(
             cnt = counts[:, h, i]
             n = int(cnt.max())
             if fast:
-                o = _attend_split(qq[0], kb[0, h], vb[0, h], k[0, h], v[0, h], ids[0, h, i, :n], bs, skv, r0 + off,
-                                  q_pos, scale, softcap, sliding_window)
+                o = _attend_split(
+                    qq[0],
+                    kb[0, h],
+                    vb[0, h],
+                    k[0, h],
+                    v[0, h],
+                    ids[0, h, i, :n],
+                    bs,
+                    skv,
+                    r0 + off,
+                    q_pos,
+                    scale,
+                    softcap,
+                    sliding_window,
+                )
                 pieces.append(o[None])
                 continue
             idx = ids[:, h, i, :n]  # (B,n)
@@ -707,6 +731,59 @@ def reference_sparse_bwd(do, q, k, v, counts, ids, scale: float, softcap: float,
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_FLEX = None
+
+
+def _compiled_flex():
+    """``torch.compile(flex_attention, dynamic=True)``, built once: one compilation serves every length."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=True)
+    return _FLEX
+
+
+def _flex_unsupported(q, k, v, softcap, sliding_window) -> str | None:
+    """Why the flex backend cannot run this call (None when it can)."""
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return "has no backward on CPU (training)"
+    if softcap or sliding_window is not None:
+        return "does not compile softcap / sliding window with dynamic shapes here"
+    return None
+
+
+def sparse_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BflaPlan,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """The plan's kept tiles through torch ``flex_attention`` (compiled) with a ``BlockMask`` built from the lists.
+
+    Exact inside every kept tile (bottom-right causal by ``mask_mod``). Inference only on CPU (flex has no CPU
+    backward), no softcap / sliding window (see :func:`_flex_unsupported`). The first call compiles (seconds);
+    later lengths reuse the dynamic graph.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    sq, skv = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    off = plan.q_offset
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + off >= kv_idx
+
+    counts = plan.counts.repeat_interleave(rep, 1).contiguous()
+    ids = plan.ids.repeat_interleave(rep, 1).contiguous()
+    block_mask = BlockMask.from_kv_blocks(
+        counts, ids, BLOCK_SIZE=plan.block_size, mask_mod=mask_mod, seq_lengths=(sq, skv)
+    )
+    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=rep > 1)
+
+
 def _triton_available() -> bool:
     try:
         from ..kernels import bfla_fwd  # noqa: F401
@@ -716,7 +793,7 @@ def _triton_available() -> bool:
 
 
 def _use_triton(q: torch.Tensor, config: BflaConfig) -> bool:
-    if config.backend == "torch":
+    if config.backend in ("torch", "flex"):
         return False
     if config.backend == "triton":
         return True
@@ -753,7 +830,12 @@ def bfla_attention(
 ) -> tuple[torch.Tensor, BflaPlan]:
     """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``."""
     plan = build_plan(q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
-    if _use_triton(q, config):
+    flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window) if config.backend == "flex" else None
+    if flex_problem is not None:
+        log_once(f"bfla: backend='flex' {flex_problem}; using the gather path")
+    if config.backend == "flex" and flex_problem is None:
+        out = sparse_attention_flex(q, k, v, plan, scale=scale)
+    elif _use_triton(q, config):
         from ..kernels.bfla_fwd import bfla_sparse_attention
 
         out = bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
@@ -814,4 +896,3 @@ __all__ = [
     "tile_token_mask",
     "transpose_plan",
 ]
-
