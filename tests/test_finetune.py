@@ -31,7 +31,7 @@ BFLA_CFG = {"block_size": 16, "min_seq_len": 0, "keep_mass": 0.5, "dense_last_bl
 
 def _require(method: str) -> None:
     if method not in list_methods():
-        pytest.skip(f"method {method!r} is not registered (registered: {list_methods()})")
+        pytest.fail(f"method {method!r} is not registered (registered: {list_methods()})")
 
 
 @pytest.fixture
