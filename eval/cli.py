@@ -22,7 +22,13 @@ def _ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-sparse-attn eval", description="RULER / LongBench: methods vs dense")
     p.add_argument("--model", default="smollm2", help="local model folder or offline alias (hf_sparse_attn.models)")
-    p.add_argument("--methods", type=_csv, default=["dense", "bfla"], help="comma-separated; dense always runs")
+    p.add_argument(
+        "--methods",
+        type=_csv,
+        default=["dense", "bfla"],
+        help="comma-separated method names or finetuned:PATH (a `finetune` output folder, scored as <method>-ft); "
+        "dense always runs",
+    )
     p.add_argument("--tasks", type=_csv, default=["niah_single_1"], help="RULER or LongBench task names")
     p.add_argument("--lengths", type=_ints, default=[4096], help="comma-separated token budgets")
     p.add_argument("--samples", type=int, default=5, help="samples per (task, length)")

@@ -53,6 +53,11 @@ def summary_markdown(results: dict[str, Any]) -> str:
             "| density | " + " | ".join(dens) + " |",
             "",
         ]
+    tuned = {a["method"]: a["finetuned_from"] for a in aggs if a.get("finetuned_from") is not None}
+    for m, path in tuned.items():
+        lines.append(f"* `{m}`: the fine-tuned model in `{path}`")
+    if tuned:
+        lines.append("")
     n = {a["n"] for a in aggs}
     lines.append(
         f"Scores 0–100 (mean over {min(n) if n else 0}–{max(n) if n else 0} samples per cell); "

@@ -1,18 +1,27 @@
 """Runner: every (task, length) sample set is generated once, then every method runs on the identical samples.
 
 For each method (the ``dense`` baseline always runs first) and sample: greedy decoding, the prediction, its score,
-the prefill time, the prompt's token count and the method's measured density. Under ``accelerate launch`` the
-samples are sharded over the processes and the rows gathered on the main process; rows are sorted, so
-``results.json`` has the same content (timings aside) as a single-process run.
+the prefill time, the prompt's token count and the method's measured density.
+
+A method is given as a *spec*: ``NAME`` (a registered method, patched zero-shot onto the base model, which is loaded
+once) or ``finetuned:PATH`` (the output folder of ``hf-sparse-attn finetune``, reloaded with
+:func:`hf_sparse_attn.finetune.load_finetuned`, fine-tuned from the same base model; its rows are labelled
+``<method>-ft`` and carry ``finetuned_from``; the model is freed after its rows). Dense stays the baseline.
+
+Under ``accelerate launch`` the samples are sharded over the processes and the rows gathered on the main process;
+rows are sorted, so ``results.json`` has the same content (timings aside) as a single-process run.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import gc
 import json
 import platform
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +31,17 @@ import torch
 from . import metrics, ruler
 
 BASELINE = "dense"
+FINETUNED = "finetuned:"  # method spec prefix: finetuned:PATH
 
 
 @dataclass
 class EvalConfig:
-    """What to evaluate. ``method_configs`` maps a method name to its ``patch_model`` keyword arguments."""
+    """What to evaluate.
+
+    ``methods``: method specs, ``NAME`` or ``finetuned:PATH`` (see the module docstring). ``method_configs`` maps a
+    method name to its ``patch_model`` keyword arguments (plain methods only: a fine-tuned folder uses its saved
+    config).
+    """
 
     model: str
     methods: list[str]
@@ -65,17 +80,99 @@ def _is_longbench(task: str) -> bool:
     return task not in ruler.TASKS
 
 
-def validate(cfg: EvalConfig) -> None:
-    """Every check that needs no model: unknown task or method, lengths, missing LongBench data."""
+@dataclass(frozen=True)
+class MethodSpec:
+    """One entry of ``EvalConfig.methods``: the row label, the attention method and, for a fine-tune, its folder."""
+
+    label: str
+    method: str
+    finetuned_from: str | None = None
+    spec: str = ""
+
+
+def _same_model(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def read_finetune_folder(path: str, model: str) -> dict[str, Any]:
+    """The ``finetune_config.json`` of a ``finetuned:PATH`` spec, after checking the folder can be scored against
+    base model ``model`` (ValueError naming the path, or both models, otherwise)."""
+    from hf_sparse_attn.finetune import CONFIG_FILE, METHOD_DIR
+
+    if not path:
+        raise ValueError(f"method spec {FINETUNED!r} needs a folder: {FINETUNED}PATH")
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ValueError(f"{FINETUNED}{path}: folder {str(folder)!r} does not exist")
+    if not folder.is_dir() or not (folder / CONFIG_FILE).is_file() or not (folder / METHOD_DIR).is_dir():
+        raise ValueError(
+            f"{FINETUNED}{path}: {str(folder)!r} is not a `hf-sparse-attn finetune` output folder "
+            f"(expected {CONFIG_FILE} and {METHOD_DIR}/ in it)"
+        )
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    args = config.get("args", {})
+    if args.get("no_save_model"):
+        raise ValueError(f"{FINETUNED}{path}: the fine-tune was run with --no-save-model; it holds no model weights")
+    base = args.get("model")
+    if base is None or not _same_model(str(base), model):
+        raise ValueError(
+            f"{FINETUNED}{path} was fine-tuned from model {base!r}, but this evaluation's model is {model!r}; "
+            "a fine-tune is scored against the base model it was trained from (set --model accordingly)"
+        )
+    return config
+
+
+def method_specs(cfg: EvalConfig) -> list[MethodSpec]:
+    """Parse and check ``cfg.methods`` (needs no model): unknown methods, fine-tune folders, unique labels."""
     from hf_sparse_attn import list_methods
 
     known = list_methods()
-    for m in cfg.methods:
-        if m not in known:
-            raise ValueError(f"unknown or not yet registered method {m!r}; registered methods: {known}")
+    entries: list[tuple[str, str, str | None]] = []  # (spec, method, folder)
+    for m in dict.fromkeys(cfg.methods):
+        if m.startswith(FINETUNED):
+            path = m[len(FINETUNED) :]
+            method = read_finetune_folder(path, cfg.model)["method"]
+            if method not in known:
+                raise ValueError(f"{m}: its method {method!r} is not registered; registered methods: {known}")
+            entries.append((m, method, path))
+        elif m in known:
+            entries.append((m, m, None))
+        else:
+            raise ValueError(
+                f"unknown or not yet registered method {m!r}; registered methods: {known} "
+                f"(or {FINETUNED}PATH for a fine-tuned output folder)"
+            )
+    tuned = [method for _, method, path in entries if path is not None]
+    taken = {method for _, method, path in entries if path is None}
+    specs = []
+    for m, method, path in entries:
+        label = method
+        if path is not None:
+            label = f"{method}-ft"
+            if tuned.count(method) > 1:  # several fine-tunes of one method: name them by their folder
+                label += "-" + (Path(path).expanduser().resolve().name or "root")
+            base, i = label, 2
+            while label in taken:
+                label, i = f"{base}-{i}", i + 1
+            taken.add(label)
+        specs.append(MethodSpec(label=label, method=method, finetuned_from=path, spec=m))
+    return specs
+
+
+def validate(cfg: EvalConfig) -> list[MethodSpec]:
+    """Every check that needs no model: unknown task or method, fine-tune folders, lengths, missing LongBench data.
+
+    Returns the parsed method specs.
+    """
+    specs = method_specs(cfg)
+    plain = [s.method for s in specs if s.finetuned_from is None]
     for m, conf in cfg.method_configs.items():
-        if m not in cfg.methods:
-            raise ValueError(f"--method-config given for {m!r}, which is not in --methods {cfg.methods}")
+        if m not in plain:
+            extra = " (a fine-tuned folder uses its saved method config)" if m in {s.method for s in specs} else ""
+            raise ValueError(f"--method-config given for {m!r}, which is not in --methods {plain}{extra}")
         from hf_sparse_attn.methods import get_method
 
         get_method(m).make_config(**conf)  # ValueError naming a bad key/value
@@ -95,6 +192,7 @@ def validate(cfg: EvalConfig) -> None:
         raise ValueError(f"samples must be >= 1, got {cfg.samples}")
     if cfg.batch_size != 1:
         raise ValueError("batch_size other than 1 is not supported yet (prefill timing is per sample)")
+    return specs
 
 
 def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir: Path) -> list[dict[str, Any]]:
@@ -158,44 +256,72 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def run_method(
-    model, tokenizer, method: str, method_config: dict, samples: list[dict], progress=None, max_new_tokens=None
-) -> list[dict]:
-    """Rows of one method over ``samples`` (already this process's shard)."""
-    from hf_sparse_attn import patch_model
+@contextlib.contextmanager
+def prepared_model(spec: MethodSpec, cfg: EvalConfig, base_model, device=None) -> Iterator[tuple[Any, Any]]:
+    """A model ready to score for ``spec``, as ``(model, handle)`` (``handle`` None for dense).
 
-    handle = None if method == BASELINE else patch_model(model, method=method, **method_config)
-    eos = _eos_ids(model, tokenizer)
-    rows = []
+    Plain methods patch ``base_model`` (loaded once by the caller) and remove the patch afterwards; ``finetuned:``
+    specs load their own model with :func:`hf_sparse_attn.finetune.load_finetuned` and free it afterwards.
+    """
+    if spec.finetuned_from is None:
+        from hf_sparse_attn import patch_model
+
+        conf = cfg.method_configs.get(spec.method, {})
+        handle = None if spec.method == BASELINE else patch_model(base_model, method=spec.method, **conf)
+        try:
+            yield base_model, handle
+        finally:
+            if handle is not None:
+                handle.remove()
+        return
+    from hf_sparse_attn.finetune import load_finetuned
+
+    model, _, handle = load_finetuned(spec.finetuned_from, dtype=getattr(torch, cfg.dtype))
+    if device is not None:
+        model.to(device)
     try:
-        for s in samples:
-            enc = tokenizer(s["input"], add_special_tokens=s.get("add_special_tokens", True), return_tensors="pt")
-            ids = enc["input_ids"].to(model.device)
-            budget = int(s["max_new_tokens"])
-            budget = budget if max_new_tokens is None else min(max_new_tokens, budget)
-            density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)
-            new, prefill_s, density = greedy_decode(model, ids, budget, eos, after_prefill=density_now)
-            pred = tokenizer.decode(new, skip_special_tokens=True)
-            rows.append(
-                {
-                    "task": s["task"],
-                    "length": int(s["max_length"]),
-                    "method": method,
-                    "sample_id": s["sample_id"],
-                    "prediction": pred,
-                    "answers": s["answers"],
-                    "score": score_sample(s, pred),
-                    "prefill_s": prefill_s,
-                    "input_tokens": int(ids.shape[1]),
-                    "density": density,
-                    "depth": s.get("depth"),
-                }
-            )
-            if progress is not None:
-                progress.update(1)
+        yield model, handle
     finally:
-        if handle is not None:
-            handle.remove()
+        handle.remove()
+        del model, handle
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_method(
+    model, tokenizer, spec: MethodSpec, handle, samples: list[dict], progress=None, max_new_tokens=None
+) -> list[dict]:
+    """Rows of one method spec over ``samples`` (already this process's shard); ``model``/``handle`` come from
+    :func:`prepared_model` (the density is read from ``handle`` right after each prefill; 1.0 without one)."""
+    eos = _eos_ids(model, tokenizer)
+    density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)
+    rows = []
+    for s in samples:
+        enc = tokenizer(s["input"], add_special_tokens=s.get("add_special_tokens", True), return_tensors="pt")
+        ids = enc["input_ids"].to(model.device)
+        budget = int(s["max_new_tokens"])
+        budget = budget if max_new_tokens is None else min(max_new_tokens, budget)
+        new, prefill_s, density = greedy_decode(model, ids, budget, eos, after_prefill=density_now)
+        pred = tokenizer.decode(new, skip_special_tokens=True)
+        row = {
+            "task": s["task"],
+            "length": int(s["max_length"]),
+            "method": spec.label,
+            "sample_id": s["sample_id"],
+            "prediction": pred,
+            "answers": s["answers"],
+            "score": score_sample(s, pred),
+            "prefill_s": prefill_s,
+            "input_tokens": int(ids.shape[1]),
+            "density": density,
+            "depth": s.get("depth"),
+        }
+        if spec.finetuned_from is not None:
+            row["finetuned_from"] = spec.finetuned_from
+        rows.append(row)
+        if progress is not None:
+            progress.update(1)
     return rows
 
 
@@ -223,19 +349,20 @@ def aggregate(rows: list[dict]) -> list[dict]:
         base = groups.get((task, length, BASELINE), [])
         score, base_score = _mean([r["score"] for r in rs]), _mean([r["score"] for r in base])
         t, base_t = _mean([r["prefill_s"] for r in rs]), _mean([r["prefill_s"] for r in base])
-        out.append(
-            {
-                "task": task,
-                "length": length,
-                "method": method,
-                "score": score,
-                "n": len(rs),
-                "delta_vs_dense": None if base_score is None else score - base_score,
-                "prefill_speedup_vs_dense": None if not base_t or not t else base_t / t,
-                "prefill_s": t,
-                "density": _mean([r["density"] for r in rs]),
-            }
-        )
+        entry = {
+            "task": task,
+            "length": length,
+            "method": method,
+            "score": score,
+            "n": len(rs),
+            "delta_vs_dense": None if base_score is None else score - base_score,
+            "prefill_speedup_vs_dense": None if not base_t or not t else base_t / t,
+            "prefill_s": t,
+            "density": _mean([r["density"] for r in rs]),
+        }
+        if rs[0].get("finetuned_from") is not None:
+            entry["finetuned_from"] = rs[0]["finetuned_from"]
+        out.append(entry)
     return sorted(out, key=lambda a: (a["length"], a["task"], a["method"] != BASELINE, a["method"]))
 
 
@@ -264,9 +391,9 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
 
     from . import report
 
-    methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
-    cfg.methods = methods
-    validate(cfg)
+    cfg.methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
+    specs = validate(cfg)
+    labels = [s.label for s in specs]
     state = _process_state()
     out = Path(cfg.out)
     sample_dir = out / "samples"
@@ -295,22 +422,22 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
                         print(f"skipping task {task} at length {length}: {e}")
     rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
     shards = {key: s[rank::world] for key, s in sets.items()}
-    total = len(methods) * sum(len(s) for s in shards.values())
+    total = len(specs) * sum(len(s) for s in shards.values())
     rows: list[dict] = []
     with tqdm(total=total, desc="eval", disable=not _is_main(state)) as bar:
-        for method in methods:
-            for (task, length), shard in shards.items():
-                bar.set_postfix_str(f"{method} {task} {length}")
-                conf = cfg.method_configs.get(method, {})
-                rows += run_method(model, tokenizer, method, conf, shard, bar, cfg.max_new_tokens)
+        for spec in specs:
+            with prepared_model(spec, cfg, model, state.device if state is not None else None) as (scored, handle):
+                for (task, length), shard in shards.items():
+                    bar.set_postfix_str(f"{spec.label} {task} {length}")
+                    rows += run_method(scored, tokenizer, spec, handle, shard, bar, cfg.max_new_tokens)
     if state is not None and world > 1:
         from accelerate.utils import gather_object
 
         rows = gather_object(rows)
     if not _is_main(state):
         return None
-    rows.sort(key=lambda r: (r["length"], r["task"], methods.index(r["method"]), r["sample_id"]))
-    config = {**asdict(cfg), "num_processes": world}
+    rows.sort(key=lambda r: (r["length"], r["task"], labels.index(r["method"]), r["sample_id"]))
+    config = {**asdict(cfg), "num_processes": world, "method_specs": [asdict(s) for s in specs]}
     results = {"config": config, "versions": _versions(), "rows": rows, "aggregates": aggregate(rows)}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.md").write_text(report.summary_markdown(results))

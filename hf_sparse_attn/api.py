@@ -13,6 +13,7 @@ import torch
 from .integration import ATTN_NAME, STATE_ATTR, register
 from .methods import LayerState, Method, MethodConfig, get_method
 from .patches import get_patcher
+from .windowed import band_density
 
 HANDLE_ATTR = "_hf_sparse_attn_handle"
 _PARAMS_ATTR = "hf_sparse_attn_params"
@@ -106,6 +107,10 @@ class PatchHandle:
             entry: dict[str, Any] = {"sparse_eligible": state.sparse_eligible}
             if self.method.layer_stats is not None:
                 entry.update(self.method.layer_stats(state))
+            window = state.stats.get("window")
+            if window is not None:  # a sliding-window layer: computed over its band (hf_sparse_attn.windowed)
+                entry["windowed"] = True
+                entry["band_density"] = band_density(*window)
             layers[idx] = entry
         densities = [e["density"] for e in layers.values() if e.get("density") is not None]
         return {

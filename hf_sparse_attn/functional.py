@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .integration import run_method
 from .methods import get_method
 
 
@@ -43,7 +44,7 @@ def sparse_attention(
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise ValueError(f"attn_mask must be a bool tensor (True = attend), got dtype {attn_mask.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return m.forward(
-        q, k, v, attn_mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window,
-        config=config, layer=None,
+    return run_method(
+        m, config, None, q, k, v, attn_mask, scale=scale, causal=causal, softcap=softcap,
+        sliding_window=sliding_window,
     )

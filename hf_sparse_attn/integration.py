@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from .masks import hf_sparse_attn_mask
+from .masks import LeftPadding, hf_sparse_attn_mask
+from .methods.base import LayerState, Method, MethodConfig, log_once
 from .methods.dense import METHOD as DENSE
+from .windowed import band_saves_work, windowed_attention
 
 ATTN_NAME = "hf_sparse_attn"
 STATE_ATTR = "hf_sparse_attn"
@@ -45,19 +47,58 @@ def hf_sparse_attn_forward(
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     state = getattr(module, STATE_ATTR, None)
     method, config = (state.method, state.config) if state is not None else (DENSE, None)
-    out = method.forward(
-        query,
-        key,
-        value,
-        attention_mask,
-        scale=scale,
-        causal=causal,
-        softcap=softcap,
-        sliding_window=sliding_window,
-        config=config,
-        layer=state,
+    out = run_method(
+        method, config, state, query, key, value, attention_mask,
+        scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _use_band_chunks(q: torch.Tensor, k: torch.Tensor, mask, causal: bool, sliding_window: int | None) -> bool:
+    """Whether a sliding-window call goes through :func:`~hf_sparse_attn.windowed.windowed_attention`: on CPU, and
+    for decode or left-padded batches on CUDA (an unpadded CUDA prefill runs the methods' own band-limited Triton
+    kernels: dense → bfla kernel over the band's tile lists, entmax → its window-bounded key loop)."""
+    if sliding_window is None or not causal:
+        return False
+    if not (mask is None or isinstance(mask, LeftPadding)):
+        if k.shape[2] > sliding_window:
+            log_once("sliding-window layer with an explicit bool mask (e.g. a StaticCache prefill) runs the full "
+                     "masked path instead of the band path")
+        return False
+    if q.is_cuda and mask is None and q.shape[2] > 1:
+        return False
+    return band_saves_work(q.shape[2], k.shape[2], int(sliding_window))
+
+
+def run_method(
+    method: Method,
+    config: MethodConfig | None,
+    layer: LayerState | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask,
+    *,
+    scale: float,
+    causal: bool,
+    softcap: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The one dispatch path (patched layers and the functional API): ``method.forward``, over the band of a
+    sliding-window layer (exact, see ``hf_sparse_attn.windowed``). q (B,Hq,Sq,D), k/v (B,Hkv,Skv,D) -> (B,Hq,Sq,D).
+
+    A windowed prefill records ``layer.stats["window"] = (Sq, Skv, W)`` (shown by ``PatchHandle.stats`` as
+    ``windowed`` with its ``band_density``)."""
+    kwargs = dict(scale=scale, causal=causal, softcap=softcap, config=config)
+    if _use_band_chunks(q, k, mask, causal, sliding_window):
+        out = windowed_attention(
+            method.forward, q, k, v, mask, sliding_window=int(sliding_window), layer=layer, **kwargs
+        )
+    else:
+        out = method.forward(q, k, v, mask, sliding_window=sliding_window, layer=layer, **kwargs)
+    if layer is not None and sliding_window is not None and causal and q.shape[2] > 1:
+        layer.stats["window"] = (q.shape[2], k.shape[2], int(sliding_window))
+    return out
 
 
 def register() -> str:

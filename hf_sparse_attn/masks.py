@@ -91,10 +91,22 @@ def to_bool_mask(
 
 
 def _is_plain_causal(mask_function) -> bool:
-    """True for HF's causal and sliding-window causal mask functions (not chunked / combined ones)."""
+    """True for HF's causal and sliding-window causal mask functions (not chunked / other combined ones).
+
+    transformers builds the sliding one as ``and_masks(sliding_window_overlay(W), causal_mask_function)``: a closure
+    whose parts are read from its cells (the window itself reaches the attention function as ``sliding_window``).
+    """
     if mask_function is causal_mask_function:
         return True
-    return "sliding_window_causal_mask_function" in getattr(mask_function, "__qualname__", "")
+    name = getattr(mask_function, "__qualname__", "")
+    if "sliding_window_causal_mask_function" in name:
+        return True
+    if name != "and_masks.<locals>.and_mask" or not mask_function.__closure__:
+        return False
+    parts = next((c.cell_contents for c in mask_function.__closure__ if isinstance(c.cell_contents, tuple)), ())
+    names = sorted(getattr(p, "__qualname__", "") for p in parts)
+    overlay = "sliding_window_overlay.<locals>.inner_mask"
+    return len(parts) == 2 and causal_mask_function in parts and names[1] == overlay
 
 
 def _left_padding_starts(pad: torch.Tensor) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ Pipeline of one sparse prefill call (all tensors stay on the input's device; the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from ..masks import LeftPadding
 from .base import LayerState, Method, MethodConfig, check_choice, check_range, log_once
+from .dense import METHOD as DENSE
 from .dense import dense_attention
 
 ESTIMATORS = ("rows", "pooled", "antidiag")
@@ -306,7 +308,15 @@ def estimate_block_mass(
     """Estimated block masses ``(B,Hq,NQ,NK)`` fp32; each row sums to 1 over its valid (causal+window) blocks."""
     bs = config.block_size
     with torch.no_grad():
-        if config.estimator == "rows":
+        on_triton = _use_triton(q, config) and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        if config.estimator == "rows" and on_triton:
+            from ..kernels.bfla_estimate import triton_estimate_rows  # same values, one kernel, no host sync
+
+            m = triton_estimate_rows(
+                q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, block_size=bs,
+                rows_per_block=config.rows_per_block,
+            )
+        elif config.estimator == "rows":
             m = _estimate_rows(q, k, scale, softcap, bs, min(config.rows_per_block, bs), sliding_window)
         elif config.estimator == "pooled":
             m = _estimate_pooled(q, k, scale, softcap, bs, sliding_window)
@@ -849,10 +859,11 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
     if not sparse:
         if reason is not None:
             log_once(reason)
-        if layer is not None and q.shape[2] > 1:
+        if layer is not None and layer.sparse_eligible and q.shape[2] > 1:
             layer.stats = {"dense": True}
-        return dense_attention(
-            q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window
+        return DENSE.forward(
+            q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, config=None,
+            layer=None,
         )
     out, plan = bfla_attention(q, k, v, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
     if layer is not None:
@@ -864,12 +875,13 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
 
 
 def layer_stats(state: LayerState) -> dict[str, Any]:
-    """Plain numbers of the last prefill: ``density`` (kept / causal tiles) and ``density_per_head`` (KV heads)."""
+    """Plain numbers of the last prefill: ``density`` (kept / causal tiles) and ``density_per_head`` (KV heads);
+    None on layers bfla does not sparsify (sliding-window layers: see their ``band_density``)."""
     st = state.stats
-    if not st:
-        return {"density": None, "density_per_head": None}
     if st.get("dense"):
         return {"density": 1.0, "density_per_head": None}
+    if "kept" not in st:  # no prefill yet, or a layer bfla does not sparsify (e.g. a windowed sliding layer)
+        return {"density": None, "density_per_head": None}
     valid = float(st["valid"])
     per_head = [float(x) / valid for x in st["kept"].tolist()]
     return {"density": sum(per_head) / len(per_head), "density_per_head": per_head}

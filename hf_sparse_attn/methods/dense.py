@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..masks import LeftPadding, to_bool_mask
-from .base import Method, MethodConfig
+from .base import Method, MethodConfig, log_once
 
 # Query rows per chunk of the explicit-score path, bounded so a chunk's scores stay ~256 MB in fp32.
 _SCORE_BUDGET = 64 * 1024 * 1024
@@ -83,7 +83,25 @@ def dense_attention(
 
 
 def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer):
+    """The method: :func:`dense_attention`; an unpadded sliding-window prefill on CUDA runs the bfla Triton kernel
+    over the band's tiles instead (exact, band cost; ``hf_sparse_attn.windowed``)."""
+    if sliding_window is not None and causal and mask is None and q.shape[2] > 1 and _triton_band_ok(q):
+        from ..windowed import band_attention_triton
+
+        return band_attention_triton(q, k, v, scale=scale, softcap=softcap, sliding_window=int(sliding_window))
     return dense_attention(q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window)
+
+
+def _triton_band_ok(q: torch.Tensor) -> bool:
+    """CUDA, a head_dim the bfla kernels support, and Triton importable (else the masked SDPA path, logged)."""
+    if not q.is_cuda:
+        return False
+    from .bfla import TRITON_HEAD_DIMS, _triton_available
+
+    if q.shape[-1] not in TRITON_HEAD_DIMS or not _triton_available():
+        log_once(f"dense: sliding-window layer with head_dim {q.shape[-1]} on CUDA runs masked SDPA (no Triton band)")
+        return False
+    return True
 
 
 METHOD = Method(name="dense", config_cls=DenseConfig, forward=_forward, default_layers="all")

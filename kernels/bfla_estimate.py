@@ -1,0 +1,188 @@
+"""BFLA stage 1 in Triton: the ``"rows"`` block-mass estimator (reference: ``_estimate_rows`` in
+``hf_sparse_attn.methods.bfla``).
+
+For every query block ``I`` (local rows ``[I*bs, (I+1)*bs)``, the last one possibly short) the estimator takes
+``R = rows_per_block`` strided sample rows (row ``I*bs + ((2t+1)*len)//(2R)``, ``t < R``, ``len`` the block's
+length: the middle row of each of R equal strata), computes each sampled row's exact softmax (fp32, softcap
+applied, bottom-right causal with ``q_offset = Skv - Sq``, optional sliding window ``j > i_abs - W``), sums it per
+key block ``J`` (absolute keys ``[J*bs, (J+1)*bs)``) and averages over the R rows of the block: mass
+``(B,Hq,NQ,NK)`` fp32, zero outside the key blocks the block's rows can see.
+
+Program grid: ``(NQ, head tiles, B*Hkv)``. One program = one query block of one KV group and ``HPT`` query heads
+of that group (``cdiv(Hq/Hkv, HPT)`` head tiles per group; usually one), i.e. ``BLOCK_M = HPT * R_PAD`` stacked
+sample rows (row ``m``: head ``m // R_PAD``, sample ``m % R_PAD``; padding rows masked), so every K sub-tile is
+loaded once for all the query heads of the tile (GQA packing) and the dot has at least 16 rows. It walks only the
+key range ``[first key of the window, last query of the block]`` in ``BLOCK_N`` sub-tiles, twice:
+
+1. the online log-sum-exp (base 2: scores are kept in ``log2 e`` units and every exponential is ``exp2``) of
+   every sampled row over its causal(+window) keys;
+2. per key block ``J``: ``sum_j exp2(s_j - L_row)`` = the row's exact softmax mass in ``J`` (normalized by the
+   row's total from pass 1), then the mean over the R rows of each head (a masked sum, fixed order:
+   deterministic, no atomics), stored to ``mass[b, h, I, J]``.
+
+Recomputing the scores in pass 2 (instead of keeping each row's per-block log-sum-exps in an O(rows·NK) scratch
+buffer and renormalizing) costs one more Q·K over the sampled rows only (~1/64 of dense causal attention's
+flops at ``bs=128, R=4``) and keeps the memory at the output. fp32 accumulation; fp32 inputs use IEEE dots.
+Sequence lengths, the offset, the window and the output's length-dependent strides are runtime values, not
+specialized (no recompilation per length); head dims that are not powers of two are padded (masked loads).
+
+:func:`triton_estimate_rows` launches the kernel; the wrapper reads nothing back from the device (no host sync),
+so ``build_plan``'s selection / union / rescues / compaction (PyTorch, sync-free) follow without a stall.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bfla_fwd import _dot_prec, _tanh
+
+
+@triton.jit(do_not_specialize=["smb", "smh", "smq", "SQ", "SKV", "q_offset", "window", "R"])
+def _bfla_estimate_kernel(
+    Q, K, MASS,
+    sqb, sqh, sqm, sqd,
+    skb, skh, skn, skd,
+    smb, smh, smq, smk,
+    HKV, REP, SQ, SKV, q_offset, window, R, scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = HPT * R_PAD
+    qblk = tl.program_id(0)
+    tile = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // HKV
+    hkv = pid_bh % HKV
+
+    offs_m = tl.arange(0, BLOCK_M)
+    head = tile * HPT + offs_m // R_PAD  # head inside the KV group
+    samp = offs_m % R_PAD
+    row_ok = (samp < R) & (head < REP)
+    start = qblk * BLOCK_SIZE
+    length = tl.minimum(SQ - start, BLOCK_SIZE)
+    row = start + ((2 * samp + 1) * length) // (2 * R)
+    row = tl.where(row_ok, row, start)
+    hq = hkv * REP + tl.where(row_ok, head, 0)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b * sqb + hq[:, None] * sqh + row[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_abs = row + q_offset
+    q_first = start + q_offset
+    q_last = start + length - 1 + q_offset  # < SKV
+    k_base = K + b * skb + hkv * skh
+    qk_scale = scale * 1.4426950408889634
+
+    # pass 1: online log-sum-exp (base 2) of every sampled row over its causal(+window) keys
+    k_lo = 0
+    if HAS_WINDOW:
+        k_lo = (tl.maximum(0, q_first - window + 1) // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(k_lo, q_last + 1, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < SKV
+        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None],
+                     other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PREC)
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        ok = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
+        if HAS_WINDOW:
+            ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)
+
+    # pass 2: per key block, each row's softmax mass there; mean over the R sampled rows of every head
+    heads = tl.arange(0, HPT)
+    head_of_row = offs_m // R_PAD
+    pick = (head_of_row[None, :] == heads[:, None]) & row_ok[None, :]  # (HPT, BLOCK_M)
+    out_ok = tile * HPT + heads < REP
+    out_base = MASS + b * smb + (hkv * REP + tile * HPT + heads) * smh + qblk * smq
+    j_lo = 0
+    if HAS_WINDOW:
+        j_lo = tl.maximum(0, q_first - window + 1) // BLOCK_SIZE
+    for j in range(j_lo, q_last // BLOCK_SIZE + 1):
+        kstart = j * BLOCK_SIZE
+        n_hi = tl.minimum(BLOCK_SIZE, q_last - kstart + 1)
+        n_lo = 0
+        if HAS_WINDOW:
+            n_lo = tl.maximum(0, ((q_first - window + 1 - kstart) // BLOCK_N) * BLOCK_N)
+        acc = tl.zeros([BLOCK_M], tl.float32)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = kstart + n0 + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < SKV
+            kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
+                         mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            s = tl.dot(q, kt, input_precision=DOT_PREC)
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+            else:
+                s = s * qk_scale
+            ok = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
+            if HAS_WINDOW:
+                ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            acc += tl.sum(tl.exp2(s - lse[:, None]), 1)  # masked keys: exp2(-inf) = 0
+        per_head = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / R
+        tl.store(out_base + j * smk, per_head, mask=out_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def estimate_tiles(rep: int, rows_per_block: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+    """(R_PAD, HPT, BLOCK_N): sample rows padded to a power of two, query heads per program (``HPT * R_PAD`` rows,
+    at least 16 for the dot, at most 64 unless R alone is more), key sub-tile."""
+    r_pad = _pow2(rows_per_block)
+    hpt = max(1, 16 // r_pad, min(_pow2(rep), 64 // r_pad))
+    bn = min(64 if _pow2(head_dim) <= 128 else 32, block_size)
+    return r_pad, hpt, bn
+
+
+def triton_estimate_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    block_size: int,
+    rows_per_block: int,
+) -> torch.Tensor:
+    """The ``"rows"`` estimator's block masses ``(B,Hq,NQ,NK)`` fp32 (contiguous) from ``q (B,Hq,Sq,D)``,
+    ``k (B,Hkv,Skv,D)`` (any strides; CUDA, or CPU under ``TRITON_INTERPRET=1``). Same values as
+    ``_estimate_rows(q, k, scale, softcap, block_size, min(rows_per_block, block_size), sliding_window)``.
+    Launches one kernel; no host sync."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    if hq % hkv or skv < sq:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    rep = hq // hkv
+    bs = int(block_size)
+    r = min(int(rows_per_block), bs)
+    nq, nk = triton.cdiv(sq, bs), triton.cdiv(skv, bs)
+    mass = torch.zeros((b, hq, nq, nk), dtype=torch.float32, device=q.device)
+    if mass.numel() == 0:
+        return mass
+    r_pad, hpt, bn = estimate_tiles(rep, r, bs, d)
+    grid = (nq, triton.cdiv(rep, hpt), b * hkv)
+    _bfla_estimate_kernel[grid](
+        q, k, mass,
+        *q.stride(), *k.stride(), *mass.stride(),
+        hkv, rep, sq, skv, skv - sq, int(sliding_window or 0), r, float(scale), float(softcap or 1.0),
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), DOT_PREC=_dot_prec(q.dtype),
+        BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, BLOCK_N=bn, HEAD_DIM=d, D_PAD=max(16, _pow2(d)),
+        num_warps=4, num_stages=2,
+    )
+    return mass
