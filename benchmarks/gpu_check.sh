@@ -43,9 +43,12 @@ cat "$OUT/env.json"
 # ---------------------------------------------------------------------------------------------------------- bfla
 # Kernel tests on CUDA (fp32, fp16, bf16; head_dim 16..256), then the grid (bf16, causal, D 128, GQA 32/8,
 # 8k..128k: SDPA flash, BFLA kernel at fixed densities, flex_attention with the same block mask, estimator time).
-section bfla_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_bfla_triton.py tests/test_bfla.py \
-  --junitxml="$OUT/bfla_tests.xml"
-section bfla_bench 170 "$PY" benchmarks/bench_bfla_gpu.py --out "$OUT/bfla_bench.json" --budget-s 140
+section bfla_tests 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_bfla_triton.py tests/test_bfla.py \
+  tests/test_bfla_estimate_triton.py tests/test_windowed.py --junitxml="$OUT/bfla_tests.xml"
+section bfla_bench 150 "$PY" benchmarks/bench_bfla_gpu.py --out "$OUT/bfla_bench.json" --budget-s 120
+# Sliding-window layers: masked SDPA (what transformers runs) vs the bfla kernel over the band's tiles, bf16.
+section windowed_bench 60 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
+  --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$OUT"
 # ------------------------------------------------------------------------------------------------------ end bfla
 
 # -------------------------------------------------------------------------------------------------------- entmax

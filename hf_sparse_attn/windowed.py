@@ -13,7 +13,7 @@ chunk's last query), so every chunk is an exact call of the layer's own attentio
   and backward) compute a sliding layer on CUDA visiting only the tiles that intersect the band
   (:func:`band_attention_triton`).
 
-Measured on this 2-core CPU (``python benchmarks/bench_windowed_cpu.py``; 4 query heads, 1 KV head, head_dim 256,
+Measured on this 2-core CPU (``python benchmarks/bench_windowed.py op``; 4 query heads, 1 KV head, head_dim 256,
 W = 512, as Gemma 3 270M): masked full SDPA vs band chunks of 128 rows is 5.5× faster at 4k, 11× at 8k, 21× at 16k;
 chunks of 256/512/1024 rows are slower (more masked work per chunk), smaller ones add per-call overhead.
 """

@@ -5,13 +5,16 @@ ops ``hf_sparse_attn::bfla_fwd`` / ``hf_sparse_attn::bfla_bwd`` (CPU implementat
 Layout: q ``(B,Hq,Sq,D)`` (any strides), k/v ``(B,Hkv,Skv,D)``; the plan's lists ``counts (B,Hkv,NQ)`` and
 ``ids (B,Hkv,NQ,NK)`` (kept key blocks of every query block, ascending). Query block ``I`` holds local rows
 ``[I*bs, (I+1)*bs)``; key block ``J`` absolute keys ``[J*bs, (J+1)*bs)``; query row ``i`` sits at key position
-``i + q_offset`` (bottom-right causal). One program = ``BLOCK_M`` rows of one query head; it walks only the kept
-key blocks of its query block (FA2 online softmax in exp2, fp32 accumulators), each in ``BLOCK_N`` sub-tiles, and
-skips the sub-tiles that causality / the window masks entirely. Output: o and the natural-log LSE (fp32).
-Rows that see no key give o = 0 and a finite LSE.
+``i + q_offset`` (bottom-right causal). GQA packing: one program = ``BLOCK_M`` rows of ``HPT`` query heads of one
+KV group stacked into one Q block (the lists are per KV head, so each K/V tile is loaded once for the group); it
+walks only the kept key blocks of its query block (FA2 online softmax in exp2, fp32 accumulators), each in
+``BLOCK_N`` sub-tiles, and skips the sub-tiles that causality / the window masks entirely. Output: o and the
+natural-log LSE (fp32). Rows that see no key give o = 0 and a finite LSE.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -38,25 +41,34 @@ def _bfla_fwd_kernel(
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HPT: tl.constexpr,
 ):
+    """Grid ``(cdiv(SQ, BLOCK_M), B*HKV, cdiv(HQ//HKV, HPT))``: one program = query rows ``[m0, m0+BLOCK_M)`` of
+    ``HPT`` query heads of one KV group, stacked as one ``(HPT*BLOCK_M, HEAD_DIM)`` Q block (row ``r``: head
+    ``r // BLOCK_M`` of the head tile, query ``m0 + r % BLOCK_M``), so every kept K/V sub-tile is loaded once for
+    all of them. Heads past the group (group sizes that are not powers of two) are padding: computed, not stored."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    hq = pid_bh % HQ
-    hkv = hq // (HQ // HKV)
+    b = pid_bh // HKV
+    hkv = pid_bh % HKV
+    group = HQ // HKV
     m0 = pid_m * BLOCK_M
     qblk = m0 // BLOCK_SIZE
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, HPT * BLOCK_M)
+    head = tl.program_id(2) * HPT + offs_r // BLOCK_M  # head within the group
+    offs_m = m0 + offs_r % BLOCK_M  # query row (local)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < SQ
-    q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    hq = hkv * group + head
+    row_ok = (head < group) & (offs_m < SQ)
+    q_ptrs = Q + b * sqb + hq[:, None] * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     q_abs = offs_m + q_offset
     q_first = m0 + q_offset
     q_last = tl.minimum(m0 + BLOCK_M, SQ) - 1 + q_offset
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.full([HPT * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HPT * BLOCK_M], tl.float32)
+    acc = tl.zeros([HPT * BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634
 
     cnt = tl.load(COUNTS + b * scb + hkv * sch + qblk * scq)
@@ -94,41 +106,65 @@ def _bfla_fwd_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(l_safe)) * 0.6931471805599453
-    tl.store(OUT + b * sob + hq * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + pid_bh * SQ + offs_m, lse, mask=row_ok)
+    o_ptrs = OUT + b * sob + hq[:, None] * soh + offs_m[:, None] * som + offs_d[None, :] * sod
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + (b * HQ + hq) * SQ + offs_m, lse, mask=row_ok)
 
 
 def tile_sizes(block_size: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the kernels: both divide ``block_size``."""
+    """(BLOCK_M, BLOCK_N) of the backward kernels: both divide ``block_size``."""
     if head_dim > 128:
         return min(64, block_size), min(32, block_size)
     return min(128 if torch.cuda.is_available() else 64, block_size), min(64, block_size)
+
+
+def fwd_tiles(group: int, block_size: int, head_dim: int, on_cuda: bool,
+              block_m: int | None = None, block_n: int | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, HPT)`` of the forward for ``group`` query heads per KV head.
+
+    A program stacks ``HPT*BLOCK_M`` rows, at most 128 on CUDA (64 for head_dim > 128, and 64 in the
+    interpreter). ``HPT`` = the group size rounded up to a power of two, capped so that ``BLOCK_M`` stays >= 16
+    (larger groups are split over several head tiles); ``BLOCK_M`` = the rows left per head (at most
+    ``block_size``). An explicit ``block_m`` is kept as the per-head query tile and ``HPT`` fits the cap around it.
+    """
+    max_rows = 128 if on_cuda and head_dim <= 128 else 64
+    bn = block_n or min(64 if head_dim <= 128 else 32, block_size)
+    hpt_full = triton.next_power_of_2(group)
+    if block_m:
+        return block_m, bn, min(hpt_full, max(1, max_rows // block_m))
+    hpt = min(hpt_full, max(1, max_rows // 16))
+    return min(max_rows // hpt, block_size), bn, hpt
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int,
-               block_m: int | None = None, block_n: int | None = None):
-    """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse)."""
+def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int):
+    """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    bm, bn = tile_sizes(block_size, d)
-    bm, bn = block_m or bm, block_n or bn
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(sq, bm), b * hq)
-    num_warps = 8 if (bm >= 128 and d >= 128) else 4
+    grid = (triton.cdiv(sq, bm), b * hkv, triton.cdiv(hq // hkv, hpt))
+    num_warps = 8 if (hpt * bm >= 128 and d >= 128) else 4
     _bfla_fwd_kernel[grid](
         q, k, v, o, lse, counts, ids,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(),
         hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0),
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), DOT_PREC=_dot_prec(q.dtype),
-        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, num_warps=num_warps, num_stages=2,
+        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, num_warps=num_warps, num_stages=2,
     )
     return o, lse
+
+
+def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int,
+               block_m: int | None = None, block_n: int | None = None):
+    """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse).
+    ``block_m`` / ``block_n`` override the per-head query tile / key sub-tile (see :func:`fwd_tiles`)."""
+    on_cuda = q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    bm, bn, hpt = fwd_tiles(q.shape[1] // k.shape[1], block_size, q.shape[-1], on_cuda, block_m, block_n)
+    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ CUDA_CASES = [
     (1, 8, 2, 700, 1500, 128, 128, None, None, 0.0, 0),
     (2, 4, 1, 600, 600, 128, 64, None, None, 30.0, 0),
     (1, 4, 4, 777, 777, 256, 128, None, None, 0.0, 300),
+    (1, 9, 3, 640, 700, 64, 128, None, None, 0.0, 0),
 ]
 CASES = SMALL + (CUDA_CASES if ON_CUDA else [])
 
@@ -91,6 +92,67 @@ def test_kernel_keep_all_equals_dense():
     q, k, v, plan = _plan_and_inputs(case, torch.float32, keep_mass=1.0)
     o, _ = triton_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 16)
     torch.testing.assert_close(o, dense_attention(q, k, v, None, scale=0.25), atol=2e-5, rtol=2e-5)
+
+
+# GQA packing (one program = the query heads of one KV group, or a power-of-two tile of them): ratios 1, 3 (padded
+# to 4 heads), 4, 8; lengths not multiples of the block size, query offset skv - sq > 0, softcap, window.
+GQA_SMALL = [
+    (1, 2, 2, 37, 53, 16, 16, None, None, 3.0, 0),  # ratio 1 (no packing), softcap, offset 16
+    (1, 6, 2, 45, 70, 16, 16, 16, 16, 0.0, 19),  # ratio 3: 4-head tiles, one padded head; window, offset 25
+    (2, 4, 1, 40, 57, 16, 32, 16, 16, 2.0, 13),  # ratio 4: 64 stacked rows; softcap + window, batch 2
+    (1, 8, 1, 33, 61, 16, 16, None, None, 0.0, 0),  # ratio 8: two head tiles of 4 (64-row cap), offset 28
+]
+GQA_CUDA = [
+    (1, 9, 3, 1000, 1100, 64, 128, None, None, 0.0, 0),  # SmolLM2-like 3 heads per KV head
+    (1, 32, 4, 777, 900, 128, 128, None, None, 30.0, 256),  # ratio 8
+    (2, 16, 1, 500, 700, 64, 128, None, None, 0.0, 0),  # ratio 16: two head tiles of 8
+]
+GQA_CASES = GQA_SMALL + (GQA_CUDA if ON_CUDA else [])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GQA_CASES)
+def test_kernel_gqa_packing_matches_reference(case, dtype):
+    from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
+
+    b, hq, hkv, sq, skv, d, bs, bm, bn, softcap, window = case
+    q, k, v, plan = _plan_and_inputs(case, dtype)
+    o, lse = triton_fwd(q, k, v, plan.counts, plan.ids, d**-0.5, softcap, window, bs, block_m=bm, block_n=bn)
+    ro, rlse = bfla.reference_sparse_fwd(q.float(), k.float(), v.float(), plan.counts, plan.ids, d**-0.5, softcap,
+                                         window, bs)
+    tol = _tol(dtype)
+    torch.testing.assert_close(o.float(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, rlse, atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hpt", [1, 2, 8])
+def test_kernel_heads_per_tile_any(hpt):
+    """6 query heads per KV head in tiles of 1 (unpacked), 2 (three tiles) or 8 (two padded heads): same result."""
+    from hf_sparse_attn.kernels.bfla_fwd import _launch_fwd
+
+    case = (1, 6, 1, 29, 45, 16, 16, 16, 16, 0.0, 0)
+    q, k, v, plan = _plan_and_inputs(case, torch.float32)
+    o, lse = _launch_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 16, 16, 16, hpt)
+    ro, rlse = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 16)
+    torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
+
+
+def test_fwd_tile_rules():
+    from hf_sparse_attn.kernels.bfla_fwd import fwd_tiles
+
+    # (group, block_size, head_dim, on_cuda, block_m, block_n) -> (BLOCK_M, BLOCK_N, HPT)
+    assert fwd_tiles(1, 128, 128, True) == (128, 64, 1)
+    assert fwd_tiles(3, 128, 64, True) == (32, 64, 4)
+    assert fwd_tiles(8, 128, 128, True) == (16, 64, 8)
+    assert fwd_tiles(16, 128, 128, True) == (16, 64, 8)
+    assert fwd_tiles(4, 128, 256, True) == (16, 32, 4)
+    assert fwd_tiles(2, 16, 64, True) == (16, 16, 2)
+    assert fwd_tiles(8, 128, 64, False) == (16, 64, 4)
+    assert fwd_tiles(3, 16, 16, False, 16, 16) == (16, 16, 4)
+    assert fwd_tiles(4, 128, 64, True, 128, None) == (128, 64, 1)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA: the custom op dispatches to Triton")

@@ -1,10 +1,12 @@
-"""Sliding-window layers at band cost (``hf_sparse_attn.windowed``) on CPU, every figure a ratio measured side by side.
+"""Sliding-window layers at band cost (``hf_sparse_attn.windowed``), every figure a ratio measured side by side.
 
-    python benchmarks/bench_windowed_cpu.py op  --lengths 4096,8192,16384 [--threads 2]
-    python benchmarks/bench_windowed_cpu.py e2e --lengths 8192,16384 [--new-tokens 12] [--out runs/windowed]
+    python benchmarks/bench_windowed.py op  --lengths 4096,8192,16384 [--threads 2]
+    python benchmarks/bench_windowed.py op  --device cuda --dtype bfloat16 --lengths 16384,32768,65536
+    python benchmarks/bench_windowed.py e2e --lengths 8192,16384 [--new-tokens 12] [--out runs/windowed]
 
 ``op``: one sliding layer of Gemma 3 270M's shape (4 query heads, 1 KV head, head_dim 256, W = 512), the full
-masked SDPA (what transformers runs) vs the band path at several chunk sizes; max |diff| against the full result.
+masked SDPA (what transformers runs) vs the band path at several chunk sizes (and, on CUDA, the bfla Triton kernel
+over the band's tile lists); max |diff| against the full result.
 ``e2e``: ``gemma3-270m`` (15 of 18 layers sliding) on an essay-haystack needle prompt: prefill time and greedy output
 of the unpatched model (transformers' SDPA), ``method="dense"`` (windowed sliding layers, exact) and
 ``method="bfla"`` (windowed sliding layers + bfla on the 3 full layers). Writes ``windowed.json`` into ``--out``.
@@ -34,32 +36,55 @@ def _timed(fn, reps: int) -> tuple[float, torch.Tensor]:
     return best, out
 
 
-def bench_op(lengths: list[int], window: int, rows_grid: list[int], reps: int) -> list[dict]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _op_row(s: int, window: int, rows_grid: list[int], reps: int, device: str, dtype) -> dict:
+    g = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(1, h, s, 256, generator=g).to(device, dtype) for h in (4, 1, 1))
+    mask = causal_bool_mask(s, s, window, device)
+
+    def timed(fn):
+        def run():
+            out = fn()
+            _sync(device)
+            return out
+
+        run()  # warm-up (Triton compilation, allocator)
+        return _timed(run, reps)
+
+    def chunks(rows):
+        return windowed.windowed_attention(
+            lambda *a, layer=None, **kw: dense_attention(*a, **kw), q, k, v, None,
+            sliding_window=window, rows=rows, scale=0.0625,
+        )
+
+    paths = {f"chunks_{rows}": (lambda rows=rows: chunks(rows)) for rows in rows_grid}
+    if device == "cuda":
+        paths["triton_band"] = lambda: windowed.band_attention_triton(
+            q, k, v, scale=0.0625, softcap=None, sliding_window=window
+        )
+    with torch.no_grad():
+        t_full, ref = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.0625,
+                                                                   enable_gqa=True))
+        row = {"length": s, "window": window, "device": device, "dtype": str(dtype), "full_masked_s": t_full,
+               "band_density": windowed.band_density(s, s, window), "paths": {}}
+        for name, fn in paths.items():
+            t, out = timed(fn)
+            diff = float((out.float() - ref.float()).abs().max())
+            row["paths"][name] = {"s": t, "speedup": t_full / t, "max_abs_diff": diff}
+    return row
+
+
+def bench_op(lengths: list[int], window: int, rows_grid: list[int], reps: int, device: str, dtype) -> list[dict]:
     rows_out = []
     for s in lengths:
-        g = torch.Generator().manual_seed(s)
-        q, k, v = (torch.randn(1, h, s, 256, generator=g) for h in (4, 1, 1))
-        mask = causal_bool_mask(s, s, window)
-        with torch.no_grad():
-            t_full, ref = _timed(
-                lambda q=q, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=0.0625, enable_gqa=True
-                ),
-                reps,
-            )
-            row = {"length": s, "window": window, "full_masked_s": t_full, "chunks": {}}
-            for rows in rows_grid:
-                t, out = _timed(
-                    lambda q=q, k=k, v=v, rows=rows: windowed.windowed_attention(
-                        lambda *a, layer=None, **kw: dense_attention(*a, **kw), q, k, v, None,
-                        sliding_window=window, rows=rows, scale=0.0625,
-                    ),
-                    reps,
-                )
-                row["chunks"][rows] = {"s": t, "speedup": t_full / t, "max_abs_diff": float((out - ref).abs().max())}
+        row = _op_row(s, window, rows_grid, reps, device, dtype)
         rows_out.append(row)
-        cells = " | ".join(f"{r} rows {c['speedup']:.1f}×" for r, c in row["chunks"].items())
-        print(f"S={s} W={window}: full masked {t_full:.3f}s | {cells}", flush=True)
+        cells = " | ".join(f"{n} {c['speedup']:.1f}× (diff {c['max_abs_diff']:.0e})" for n, c in row["paths"].items())
+        print(f"S={s} W={window}: full masked {row['full_masked_s']:.4f}s | {cells}", flush=True)
     return rows_out
 
 
@@ -116,13 +141,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="op only")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="op only")
     p.add_argument("--out", default="runs/windowed")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.what == "op":
-        res = bench_op(lengths, args.window, [int(x) for x in args.rows.split(",")], args.reps)
+        rows = [int(x) for x in args.rows.split(",")]
+        res = bench_op(lengths, args.window, rows, args.reps, args.device, getattr(torch, args.dtype))
     else:
         res = bench_e2e(lengths, args.new_tokens)
     out = Path(args.out)
