@@ -39,6 +39,25 @@ import triton.language as tl
 from .bfla_fwd import _dot_prec, _tanh
 
 
+@triton.jit
+def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window, scale, softcap,
+                   HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scores of the stacked sample rows against keys ``offs_n``, in log2 units (softcap applied), -inf where the
+    key is past the sequence, after the row's query, outside its window, or the row is padding."""
+    col_ok = offs_n < SKV
+    kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None],
+                 other=0.0)
+    s = tl.dot(q, kt, input_precision=DOT_PREC)
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    ok = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
+    if HAS_WINDOW:
+        ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+    return tl.where(ok, s, float("-inf"))
+
+
 @triton.jit(do_not_specialize=["smb", "smh", "smq", "SQ", "SKV", "q_offset", "window", "R"])
 def _bfla_estimate_kernel(
     Q, K, MASS,
@@ -74,7 +93,6 @@ def _bfla_estimate_kernel(
     q_first = start + q_offset
     q_last = start + length - 1 + q_offset  # < SKV
     k_base = K + b * skb + hkv * skh
-    qk_scale = scale * 1.4426950408889634
 
     # pass 1: online log-sum-exp (base 2) of every sampled row over its causal(+window) keys
     k_lo = 0
@@ -83,19 +101,8 @@ def _bfla_estimate_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(k_lo, q_last + 1, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < SKV
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None],
-                     other=0.0)
-        s = tl.dot(q, kt, input_precision=DOT_PREC)
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        ok = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
-        if HAS_WINDOW:
-            ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
+        s = _masked_scores(q, k_base, n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window,
+                           scale, softcap, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -119,19 +126,8 @@ def _bfla_estimate_kernel(
             n_lo = tl.maximum(0, ((q_first - window + 1 - kstart) // BLOCK_N) * BLOCK_N)
         acc = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            offs_n = kstart + n0 + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < SKV
-            kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
-                         mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-            s = tl.dot(q, kt, input_precision=DOT_PREC)
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
-            else:
-                s = s * qk_scale
-            ok = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
-            if HAS_WINDOW:
-                ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
-            s = tl.where(ok, s, float("-inf"))
+            s = _masked_scores(q, k_base, kstart + n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok,
+                               q_abs, window, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC)
             acc += tl.sum(tl.exp2(s - lse[:, None]), 1)  # masked keys: exp2(-inf) = 0
         per_head = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / R
         tl.store(out_base + j * smk, per_head, mask=out_ok)
