@@ -8,6 +8,8 @@ passes them. Returns ``(B,Sq,Hq,D)`` contiguous and ``None`` (no attention weigh
 
 The method and its config are read from the attention module (``module.hf_sparse_attn``, set by ``patch_model``);
 a module without it runs the exact ``dense`` path, so ``attn_implementation="hf_sparse_attn"`` alone is exact.
+Every call goes through :func:`run_method`, which computes sliding-window layers over their band only
+(``hf_sparse_attn.windowed``), whatever the method.
 """
 
 from __future__ import annotations
