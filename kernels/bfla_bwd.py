@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _tanh, tile_sizes
+from .bfla_fwd import _dot_prec, _key_span, _tanh, _visible, tile_sizes
 
 
 @triton.jit
@@ -56,10 +56,7 @@ def _bfla_bwd_dq_kernel(
     for t in range(0, cnt):
         kb = tl.load(id_base + t * sik)
         start = kb * BLOCK_SIZE
-        n_hi = tl.minimum(tl.minimum(BLOCK_SIZE, q_last - start + 1), SKV - start)
-        n_lo = 0
-        if HAS_WINDOW:
-            n_lo = tl.maximum(0, ((q_first - window + 1 - start) // BLOCK_N) * BLOCK_N)
+        n_lo, n_hi = _key_span(start, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = start + n0 + tl.arange(0, BLOCK_N)
             col_ok = offs_n < SKV
@@ -71,9 +68,7 @@ def _bfla_bwd_dq_kernel(
                 s2 = softcap * th * 1.4426950408889634
             else:
                 s2 = s * (scale * 1.4426950408889634)
-            ok = (offs_n[None, :] <= q_abs[:, None]) & col_ok[None, :]
-            if HAS_WINDOW:
-                ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+            ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW)
             p = tl.where(ok, tl.exp2(s2 - lse2[:, None]), 0.0)
             dp = tl.dot(do, vt, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
@@ -131,9 +126,7 @@ def _bfla_bwd_dkdv_kernel(
             offs_m = start + m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < SQ
             q_abs = offs_m + q_offset
-            ok = (offs_n[None, :] <= q_abs[:, None]) & col_ok[None, :] & row_ok[:, None]
-            if HAS_WINDOW:
-                ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+            ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW) & row_ok[:, None]
             for r in range(0, rep):
                 hq = hkv * rep + r
                 bh = b * HQ + hq

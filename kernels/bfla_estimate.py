@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _tanh
+from .bfla_fwd import _dot_prec, _key_span, _tanh, _visible
 
 
 @triton.jit
@@ -52,9 +52,7 @@ def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs
         s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
     else:
         s = s * (scale * 1.4426950408889634)
-    ok = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= q_abs[:, None])
-    if HAS_WINDOW:
-        ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+    ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW) & row_ok[:, None]
     return tl.where(ok, s, float("-inf"))
 
 
@@ -120,10 +118,7 @@ def _bfla_estimate_kernel(
         j_lo = tl.maximum(0, q_first - window + 1) // BLOCK_SIZE
     for j in range(j_lo, q_last // BLOCK_SIZE + 1):
         kstart = j * BLOCK_SIZE
-        n_hi = tl.minimum(BLOCK_SIZE, q_last - kstart + 1)
-        n_lo = 0
-        if HAS_WINDOW:
-            n_lo = tl.maximum(0, ((q_first - window + 1 - kstart) // BLOCK_N) * BLOCK_N)
+        n_lo, n_hi = _key_span(kstart, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
         acc = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             s = _masked_scores(q, k_base, kstart + n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok,

@@ -30,6 +30,28 @@ def _tanh(x):
 
 
 @triton.jit
+def _key_span(start, q_first, q_last, SKV, window,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Offsets ``[n_lo, n_hi)`` inside the key tile at ``start`` that queries ``q_first..q_last`` (absolute) may see:
+    up to the last query (causal) and the sequence end; with a window, from the ``BLOCK_N`` sub-tile holding the
+    oldest key the first query sees."""
+    n_hi = tl.minimum(tl.minimum(BLOCK_SIZE, q_last - start + 1), SKV - start)
+    n_lo = 0
+    if HAS_WINDOW:
+        n_lo = tl.maximum(0, ((q_first - window + 1 - start) // BLOCK_N) * BLOCK_N)
+    return n_lo, n_hi
+
+
+@triton.jit
+def _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW: tl.constexpr):
+    """(rows, keys) bool: key ``j`` exists, ``j <= i_abs`` and, with a window, ``j > i_abs - W``."""
+    ok = (offs_n[None, :] <= q_abs[:, None]) & col_ok[None, :]
+    if HAS_WINDOW:
+        ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+    return ok
+
+
+@triton.jit
 def _bfla_fwd_kernel(
     Q, K, V, OUT, LSE, COUNTS, IDS,
     sqb, sqh, sqm, sqd,
@@ -78,10 +100,7 @@ def _bfla_fwd_kernel(
     for t in range(0, cnt):
         kb = tl.load(id_base + t * sik)
         start = kb * BLOCK_SIZE
-        n_hi = tl.minimum(tl.minimum(BLOCK_SIZE, q_last - start + 1), SKV - start)
-        n_lo = 0
-        if HAS_WINDOW:
-            n_lo = tl.maximum(0, ((q_first - window + 1 - start) // BLOCK_N) * BLOCK_N)
+        n_lo, n_hi = _key_span(start, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = start + n0 + tl.arange(0, BLOCK_N)
             col_ok = offs_n < SKV
@@ -92,9 +111,7 @@ def _bfla_fwd_kernel(
                 s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
             else:
                 s = s * qk_scale
-            ok = (offs_n[None, :] <= q_abs[:, None]) & col_ok[None, :]
-            if HAS_WINDOW:
-                ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+            ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
