@@ -55,6 +55,16 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
 
 
 @triton.jit
+def _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv, scale, am1, softcap,
+                     HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
+    """Load the key sub-tile ``offs_n`` and score it (:func:`_scores`) -> (s, tanh term, the loaded K tile)."""
+    kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=(offs_n < skv)[:, None], other=0.0)
+    s, t, _valid = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
+                           HAS_SOFTCAP, HAS_FV, FP32)
+    return s, t, kt
+
+
+@triton.jit
 def _pow_terms(d, em1, MODE: tl.constexpr):
     """(p = d^e, u = d^(e-1)) for d >= 0 (e = 1/(α-1)); MODE 1: α = 1.5, 2: α = 2, 0: general."""
     if MODE == 1:
@@ -108,10 +118,8 @@ def _entmax_fwd_kernel(
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for start in range(lo_key, hi_key, BLOCK_N):
         offs_n = start + offs_nb
-        kv_mask = offs_n < skv
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
-        s, _t, _v = _scores(q, kt, offs_m, offs_n,
-                            q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                       scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
         top = tl.maximum(top, tl.max(s, 1))
     top = tl.where(top > float("-inf"), top, 0.0)
 
@@ -126,10 +134,8 @@ def _entmax_fwd_kernel(
         fp = tl.zeros([BLOCK_M], tl.float32)
         for start in range(lo_key, hi_key, BLOCK_N):
             offs_n = start + offs_nb
-            kv_mask = offs_n < skv
-            kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
-            s, _t, _v = _scores(q, kt, offs_m, offs_n,
-                                q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+            s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                           scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
             d = tl.maximum(s - tau[:, None], 0.0)
             p, u = _pow_terms(d, em1, MODE)
             f += tl.sum(p, 1)
@@ -149,9 +155,8 @@ def _entmax_fwd_kernel(
     for start in range(lo_key, hi_key, BLOCK_N):
         offs_n = start + offs_nb
         kv_mask = offs_n < skv
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
-        s, _t, _v = _scores(q, kt, offs_m, offs_n,
-                            q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                       scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
         d = tl.maximum(s - tau[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
             p, _u = _pow_terms(d, em1, MODE)
@@ -215,9 +220,8 @@ def _entmax_bwd_dq_kernel(
     for start in range(lo_key, hi_key, BLOCK_N):
         offs_n = start + offs_nb
         kv_mask = offs_n < skv
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
-        s, _t, _v = _scores(q, kt, offs_m, offs_n,
-                            q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                       scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
         d = tl.maximum(s - tau[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
             _p, u = _pow_terms(d, em1, MODE)
@@ -239,9 +243,8 @@ def _entmax_bwd_dq_kernel(
     for start in range(lo_key, hi_key, BLOCK_N):
         offs_n = start + offs_nb
         kv_mask = offs_n < skv
-        kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask[:, None], other=0.0)
-        s, t, _v = _scores(q, kt, offs_m, offs_n,
-                           q_off, sq, skv, window, fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        s, t, kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                       scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
         d = tl.maximum(s - tau[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
             p, u = _pow_terms(d, em1, MODE)
