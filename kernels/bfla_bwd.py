@@ -4,7 +4,8 @@
 * dK/dV: one program per ``BLOCK_N`` keys of one KV head, over the transposed lists (query blocks that kept this
   key block), accumulating all query heads of the GQA group, so no atomics are needed.
 Both recompute ``p = exp2(s·log2e - lse·log2e)`` from the forward's LSE; ``delta = rowsum(dO ∘ O)`` is a torch op.
-Softcap: ``ds *= 1 - tanh²`` (the derivative of ``c·tanh(s/c)``).
+Softcap: ``ds *= 1 - tanh²`` (the derivative of ``c·tanh(s/c)``). Left padding (``HAS_PAD``, optional
+``first_valid (B,)``): keys ``j < first_valid[b]`` are masked as in the forward (zero gradients there).
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _key_span, _tanh, _visible, tile_sizes
+from .bfla_fwd import _dot_prec, _first_valid, _key_span, _tanh, _visible, tile_sizes
 
 
 @triton.jit
 def _bfla_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, COUNTS, IDS,
+    Q, K, V, DO, LSE, DELTA, DQ, COUNTS, IDS, FV,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     scb, sch, scq,
     sib, sih, siq, sik,
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     # DO and DQ are contiguous (B,Hq,Sq,D); Q may be strided
@@ -47,6 +48,7 @@ def _bfla_bwd_dq_kernel(
     q_abs = offs_m + q_offset
     q_first = m0 + q_offset
     q_last = tl.minimum(m0 + BLOCK_M, SQ) - 1 + q_offset
+    fv = _first_valid(FV, b, HAS_PAD)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     cnt = tl.load(COUNTS + b * scb + hkv * sch + qblk * scq)
@@ -68,7 +70,7 @@ def _bfla_bwd_dq_kernel(
                 s2 = softcap * th * 1.4426950408889634
             else:
                 s2 = s * (scale * 1.4426950408889634)
-            ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW)
+            ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD)
             p = tl.where(ok, tl.exp2(s2 - lse2[:, None]), 0.0)
             dp = tl.dot(do, vt, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
@@ -82,14 +84,14 @@ def _bfla_bwd_dq_kernel(
 
 @triton.jit
 def _bfla_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TCOUNTS, TIDS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TCOUNTS, TIDS, FV,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     scb, sch, scq,
     sib, sih, siq, sik,
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     # DO, DK, DV contiguous; TCOUNTS (B,Hkv,NK), TIDS (B,Hkv,NK,NQ)
@@ -108,6 +110,7 @@ def _bfla_bwd_dkdv_kernel(
     kk = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
     vv = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
     n_last = tl.minimum(n0 + BLOCK_N, SKV) - 1
+    fv = _first_valid(FV, b, HAS_PAD)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
@@ -126,7 +129,7 @@ def _bfla_bwd_dkdv_kernel(
             offs_m = start + m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < SQ
             q_abs = offs_m + q_offset
-            ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW) & row_ok[:, None]
+            ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
             for r in range(0, rep):
                 hq = hkv * rep + r
                 bh = b * HQ + hq
@@ -167,8 +170,9 @@ def transpose_lists(counts: torch.Tensor, ids: torch.Tensor, nq: int) -> tuple[t
 
 
 def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size,
-               block_m: int | None = None, block_n: int | None = None):
-    """Launch the dQ and dK/dV kernels. -> (dq, dk, dv) in the input dtypes (contiguous)."""
+               block_m: int | None = None, block_n: int | None = None, first_valid=None):
+    """Launch the dQ and dK/dV kernels. -> (dq, dk, dv) in the input dtypes (contiguous).
+    ``first_valid (B,)``: left padding (None: none)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     bm, bn = tile_sizes(block_size, d)
@@ -179,18 +183,20 @@ def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_s
     dq = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, hkv, skv, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, skv, d), dtype=v.dtype, device=v.device)
+    fv = counts if first_valid is None else first_valid.contiguous()  # a dummy pointer without padding
     common = dict(
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), DOT_PREC=_dot_prec(q.dtype),
-        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, num_warps=4, num_stages=1,
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None,
+        DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d,
+        num_warps=4, num_stages=1,
     )
     scalars = (hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0))
     _bfla_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, do, lse, delta, dq, counts, ids,
+        q, k, v, do, lse, delta, dq, counts, ids, fv,
         *q.stride(), *k.stride(), *v.stride(), *counts.stride(), *ids.stride(), *scalars, **common,
     )
     tcounts, tids = transpose_lists(counts, ids, triton.cdiv(sq, block_size))
     _bfla_bwd_dkdv_kernel[(triton.cdiv(skv, bn), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, tcounts, tids,
+        q, k, v, do, lse, delta, dk, dv, tcounts, tids, fv,
         *q.stride(), *k.stride(), *v.stride(), *tcounts.stride(), *tids.stride(), *scalars, **common,
     )
     return dq, dk, dv
@@ -200,19 +206,20 @@ def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_s
 def bfla_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     counts: torch.Tensor, ids: torch.Tensor, scale: float, softcap: float, window: int, block_size: int,
+    first_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``bfla_fwd`` -> (dq, dk, dv), contiguous. CPU: the PyTorch reference formulas."""
     from ..methods.bfla import reference_sparse_bwd
 
-    dq, dk, dv = reference_sparse_bwd(do, q, k, v, counts, ids, scale, softcap, window, block_size)
+    dq, dk, dv = reference_sparse_bwd(do, q, k, v, counts, ids, scale, softcap, window, block_size, first_valid)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @bfla_bwd.register_kernel("cuda")
-def _bfla_bwd_cuda(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size):
-    return triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size)
+def _bfla_bwd_cuda(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size, first_valid=None):
+    return triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size, first_valid=first_valid)
 
 
 @bfla_bwd.register_fake
-def _bfla_bwd_fake(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size):
+def _bfla_bwd_fake(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size, first_valid=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -6,7 +6,10 @@ For every query block ``I`` (local rows ``[I*bs, (I+1)*bs)``, the last one possi
 length: the middle row of each of R equal strata), computes each sampled row's exact softmax (fp32, softcap
 applied, bottom-right causal with ``q_offset = Skv - Sq``, optional sliding window ``j > i_abs - W``), sums it per
 key block ``J`` (absolute keys ``[J*bs, (J+1)*bs)``) and averages over the R rows of the block: mass
-``(B,Hq,NQ,NK)`` fp32, zero outside the key blocks the block's rows can see.
+``(B,Hq,NQ,NK)`` fp32, zero outside the key blocks the block's rows can see. Left padding (optional
+``first_valid (B,)``, ``HAS_PAD``): keys ``j < first_valid[b]`` leave the softmax (both passes start at the
+row's first valid key), and the average runs over the sampled rows that see a key (padding queries see none;
+a block of only padding queries gets mass 0).
 
 Program grid: ``(NQ, head tiles, B*Hkv)``. One program = one query block of one KV group and ``HPT`` query heads
 of that group (``cdiv(Hq/Hkv, HPT)`` head tiles per group; usually one), i.e. ``BLOCK_M = HPT * R_PAD`` stacked
@@ -36,14 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _key_span, _tanh, _visible
+from .bfla_fwd import _dot_prec, _first_valid, _key_span, _tanh, _visible
 
 
 @triton.jit
-def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window, scale, softcap,
-                   HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window, fv, scale, softcap,
+                   HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
     """Scores of the stacked sample rows against keys ``offs_n``, in log2 units (softcap applied), -inf where the
-    key is past the sequence, after the row's query, outside its window, or the row is padding."""
+    key is past the sequence, after the row's query, outside its window, left padding, or the row is padding."""
     col_ok = offs_n < SKV
     kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None],
                  other=0.0)
@@ -52,18 +56,18 @@ def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs
         s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
     else:
         s = s * (scale * 1.4426950408889634)
-    ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW) & row_ok[:, None]
+    ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
     return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit(do_not_specialize=["smb", "smh", "smq", "SQ", "SKV", "q_offset", "window", "R"])
 def _bfla_estimate_kernel(
-    Q, K, MASS,
+    Q, K, MASS, FV,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     smb, smh, smq, smk,
     HKV, REP, SQ, SKV, q_offset, window, R, scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
@@ -91,40 +95,40 @@ def _bfla_estimate_kernel(
     q_first = start + q_offset
     q_last = start + length - 1 + q_offset  # < SKV
     k_base = K + b * skb + hkv * skh
+    fv = _first_valid(FV, b, HAS_PAD)
 
-    # pass 1: online log-sum-exp (base 2) of every sampled row over its causal(+window) keys
-    k_lo = 0
+    # pass 1: online log-sum-exp (base 2) of every sampled row over its causal(+window, non-padding) keys
+    k_first = fv
     if HAS_WINDOW:
-        k_lo = (tl.maximum(0, q_first - window + 1) // BLOCK_N) * BLOCK_N
+        k_first = tl.maximum(fv, q_first - window + 1)
+    k_lo = (k_first // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(k_lo, q_last + 1, BLOCK_N):
         s = _masked_scores(q, k_base, n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window,
-                           scale, softcap, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC)
+                           fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)
 
-    # pass 2: per key block, each row's softmax mass there; mean over the R sampled rows of every head
+    # pass 2: per key block, each row's softmax mass there; mean over the sampled rows of every head that see a key
     heads = tl.arange(0, HPT)
     head_of_row = offs_m // R_PAD
     pick = (head_of_row[None, :] == heads[:, None]) & row_ok[None, :]  # (HPT, BLOCK_M)
+    n_live = tl.maximum(tl.sum(tl.where(pick & (l_i > 0.0)[None, :], 1.0, 0.0), 1), 1.0)  # R without padding
     out_ok = tile * HPT + heads < REP
     out_base = MASS + b * smb + (hkv * REP + tile * HPT + heads) * smh + qblk * smq
-    j_lo = 0
-    if HAS_WINDOW:
-        j_lo = tl.maximum(0, q_first - window + 1) // BLOCK_SIZE
-    for j in range(j_lo, q_last // BLOCK_SIZE + 1):
+    for j in range(k_first // BLOCK_SIZE, q_last // BLOCK_SIZE + 1):
         kstart = j * BLOCK_SIZE
         n_lo, n_hi = _key_span(kstart, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
         acc = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             s = _masked_scores(q, k_base, kstart + n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok,
-                               q_abs, window, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC)
+                               q_abs, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC)
             acc += tl.sum(tl.exp2(s - lse[:, None]), 1)  # masked keys: exp2(-inf) = 0
-        per_head = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / R
+        per_head = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / n_live
         tl.store(out_base + j * smk, per_head, mask=out_ok)
 
 
@@ -150,11 +154,12 @@ def triton_estimate_rows(
     sliding_window: int | None,
     block_size: int,
     rows_per_block: int,
+    first_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``"rows"`` estimator's block masses ``(B,Hq,NQ,NK)`` fp32 (contiguous) from ``q (B,Hq,Sq,D)``,
-    ``k (B,Hkv,Skv,D)`` (any strides; CUDA, or CPU under ``TRITON_INTERPRET=1``). Same values as
-    ``_estimate_rows(q, k, scale, softcap, block_size, min(rows_per_block, block_size), sliding_window)``.
-    Launches one kernel; no host sync."""
+    ``k (B,Hkv,Skv,D)`` (any strides; CUDA, or CPU under ``TRITON_INTERPRET=1``); ``first_valid (B,)``: left
+    padding. Same values as ``_estimate_rows(q, k, scale, softcap, block_size, min(rows_per_block, block_size),
+    sliding_window, first_valid)``. Launches one kernel; no host sync."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     if hq % hkv or skv < sq:
@@ -169,11 +174,11 @@ def triton_estimate_rows(
     r_pad, hpt, bn = estimate_tiles(rep, r, bs, d)
     grid = (nq, triton.cdiv(rep, hpt), b * hkv)
     _bfla_estimate_kernel[grid](
-        q, k, mass,
+        q, k, mass, mass if first_valid is None else first_valid.contiguous(),
         *q.stride(), *k.stride(), *mass.stride(),
         hkv, rep, sq, skv, skv - sq, int(sliding_window or 0), r, float(scale), float(softcap or 1.0),
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), DOT_PREC=_dot_prec(q.dtype),
-        BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, BLOCK_N=bn, HEAD_DIM=d, D_PAD=max(16, _pow2(d)),
-        num_warps=4, num_stages=2,
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), HAS_PAD=first_valid is not None,
+        DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, BLOCK_N=bn, HEAD_DIM=d,
+        D_PAD=max(16, _pow2(d)), num_warps=4, num_stages=2,
     )
     return mass

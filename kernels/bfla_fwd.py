@@ -10,6 +10,10 @@ KV group stacked into one Q block (the lists are per KV head, so each K/V tile i
 walks only the kept key blocks of its query block (FA2 online softmax in exp2, fp32 accumulators), each in
 ``BLOCK_N`` sub-tiles, and skips the sub-tiles that causality / the window masks entirely. Output: o and the
 natural-log LSE (fp32). Rows that see no key give o = 0 and a finite LSE.
+
+Left padding: an optional ``first_valid (B,)`` tensor (``HAS_PAD``) masks keys ``j < first_valid[b]`` in the forward,
+both backward kernels and the estimator; padding query rows see no key (o = 0, LSE 0, zero gradients). The plan
+never lists an all-padding tile, so only the tile holding ``first_valid[b]`` is partly masked.
 """
 
 from __future__ import annotations
@@ -43,17 +47,29 @@ def _key_span(start, q_first, q_last, SKV, window,
 
 
 @triton.jit
-def _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW: tl.constexpr):
-    """(rows, keys) bool: key ``j`` exists, ``j <= i_abs`` and, with a window, ``j > i_abs - W``."""
+def _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr):
+    """(rows, keys) bool: key ``j`` exists, ``j <= i_abs``, with a window ``j > i_abs - W``, with padding
+    ``j >= fv`` (the batch row's first valid key)."""
     ok = (offs_n[None, :] <= q_abs[:, None]) & col_ok[None, :]
     if HAS_WINDOW:
         ok = ok & (offs_n[None, :] > q_abs[:, None] - window)
+    if HAS_PAD:
+        ok = ok & (offs_n[None, :] >= fv)
     return ok
 
 
 @triton.jit
+def _first_valid(FV, b, HAS_PAD: tl.constexpr):
+    """The batch row's first valid key (0 without padding)."""
+    fv = 0
+    if HAS_PAD:
+        fv = tl.load(FV + b).to(tl.int32)
+    return fv
+
+
+@triton.jit
 def _bfla_fwd_kernel(
-    Q, K, V, OUT, LSE, COUNTS, IDS,
+    Q, K, V, OUT, LSE, COUNTS, IDS, FV,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
@@ -61,7 +77,7 @@ def _bfla_fwd_kernel(
     scb, sch, scq,
     sib, sih, siq, sik,
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HPT: tl.constexpr,
 ):
@@ -87,6 +103,7 @@ def _bfla_fwd_kernel(
     q_abs = offs_m + q_offset
     q_first = m0 + q_offset
     q_last = tl.minimum(m0 + BLOCK_M, SQ) - 1 + q_offset
+    fv = _first_valid(FV, b, HAS_PAD)
 
     m_i = tl.full([HPT * BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([HPT * BLOCK_M], tl.float32)
@@ -111,7 +128,7 @@ def _bfla_fwd_kernel(
                 s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
             else:
                 s = s * qk_scale
-            ok = _visible(offs_n, q_abs, col_ok, window, HAS_WINDOW)
+            ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -157,8 +174,10 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int):
-    """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse)."""
+def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int,
+                first_valid=None):
+    """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse).
+    ``first_valid (B,)``: left padding (None: none)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
@@ -166,22 +185,24 @@ def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: in
     grid = (triton.cdiv(sq, bm), b * hkv, triton.cdiv(hq // hkv, hpt))
     num_warps = 8 if (hpt * bm >= 128 and d >= 128) else 4
     _bfla_fwd_kernel[grid](
-        q, k, v, o, lse, counts, ids,
+        q, k, v, o, lse, counts, ids, counts if first_valid is None else first_valid.contiguous(),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(),
         hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0),
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), DOT_PREC=_dot_prec(q.dtype),
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None,
+        DOT_PREC=_dot_prec(q.dtype),
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, num_warps=num_warps, num_stages=2,
     )
     return o, lse
 
 
 def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int,
-               block_m: int | None = None, block_n: int | None = None):
+               block_m: int | None = None, block_n: int | None = None, first_valid=None):
     """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse).
-    ``block_m`` / ``block_n`` override the per-head query tile / key sub-tile (see :func:`fwd_tiles`)."""
+    ``block_m`` / ``block_n`` override the per-head query tile / key sub-tile (see :func:`fwd_tiles`);
+    ``first_valid (B,)``: left padding."""
     on_cuda = q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     bm, bn, hpt = fwd_tiles(q.shape[1] // k.shape[1], block_size, q.shape[-1], on_cuda, block_m, block_n)
-    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt)
+    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt, first_valid)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,46 +213,47 @@ def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, 
 @torch.library.custom_op("hf_sparse_attn::bfla_fwd", mutates_args=())
 def bfla_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
-    scale: float, softcap: float, window: int, block_size: int,
+    scale: float, softcap: float, window: int, block_size: int, first_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention over the listed tiles -> (o (B,Hq,Sq,D) contiguous, lse (B,Hq,Sq) fp32).
-    ``softcap=0`` / ``window=0`` mean none. CPU: the PyTorch reference."""
+    ``softcap=0`` / ``window=0`` mean none; ``first_valid (B,)`` = left padding. CPU: the PyTorch reference."""
     from ..methods.bfla import reference_sparse_fwd
 
-    return reference_sparse_fwd(q, k, v, counts, ids, scale, softcap, window, block_size)
+    return reference_sparse_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, first_valid)
 
 
 @bfla_fwd.register_kernel("cuda")
-def _bfla_fwd_cuda(q, k, v, counts, ids, scale, softcap, window, block_size):
-    return triton_fwd(q, k, v, counts, ids, scale, softcap, window, block_size)
+def _bfla_fwd_cuda(q, k, v, counts, ids, scale, softcap, window, block_size, first_valid=None):
+    return triton_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, first_valid=first_valid)
 
 
 @bfla_fwd.register_fake
-def _bfla_fwd_fake(q, k, v, counts, ids, scale, softcap, window, block_size):
+def _bfla_fwd_fake(q, k, v, counts, ids, scale, softcap, window, block_size, first_valid=None):
     b, hq, sq, d = q.shape
     return q.new_empty((b, hq, sq, d)), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, counts, ids, scale, softcap, window, block_size = inputs
+    q, k, v, counts, ids, scale, softcap, window, block_size, first_valid = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, counts, ids)
+    ctx.save_for_backward(q, k, v, o, lse, counts, ids, first_valid)
     ctx.args = (scale, softcap, window, block_size)
 
 
 def _backward(ctx, do, dlse):
     from .bfla_bwd import bfla_bwd
 
-    q, k, v, o, lse, counts, ids = ctx.saved_tensors
-    dq, dk, dv = bfla_bwd(do.contiguous(), q, k, v, o, lse, counts, ids, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, o, lse, counts, ids, first_valid = ctx.saved_tensors
+    dq, dk, dv = bfla_bwd(do.contiguous(), q, k, v, o, lse, counts, ids, *ctx.args, first_valid)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 bfla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def bfla_sparse_attention(q, k, v, plan, *, scale, softcap=None, sliding_window=None):
-    """Attention over a :class:`~hf_sparse_attn.methods.bfla.BflaPlan` through the custom op (differentiable)."""
+    """Attention over a :class:`~hf_sparse_attn.methods.bfla.BflaPlan` through the custom op (differentiable);
+    the plan's ``first_valid`` (left padding) goes with it."""
     o, _ = bfla_fwd(q, k, v, plan.counts, plan.ids, float(scale), float(softcap or 0.0), int(sliding_window or 0),
-                    int(plan.block_size))
+                    int(plan.block_size), plan.first_valid)
     return o

@@ -5,6 +5,7 @@ import torch
 
 from hf_sparse_attn import patch_model
 from hf_sparse_attn.functional import sparse_attention
+from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import bfla, get_method
 from hf_sparse_attn.methods.base import LayerState
 from hf_sparse_attn.methods.dense import dense_attention
@@ -232,6 +233,112 @@ def test_keep_mass_one_equals_dense():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+# --------------------------------------------------------------------------------------------- left padding
+
+# (hq, hkv, sq, skv, softcap, window, first_valid): batch 2, row 0 unpadded, row 1's first valid key off the grid
+PAD_CASES = [
+    (4, 2, 96, 96, None, None, (0, 21)),
+    (2, 1, 53, 133, 4.0, None, (0, 91)),  # chunked prefill (offset 80): row 1's first 11 queries are padding
+    (4, 2, 100, 100, None, 37, (0, 45)),  # sliding window
+]
+
+
+def _pad_plan(case, grad=False, **kw):
+    hq, hkv, sq, skv, softcap, window, fv = case
+    q, k, v = _qkv(2, hq, hkv, sq, skv, grad=grad)
+    cfg = _cfg(**{"flat_entropy": 1.0, **kw})
+    fv = torch.tensor(fv)
+    plan = bfla.build_plan(q, k, scale=0.3, softcap=softcap, sliding_window=window, config=cfg, first_valid=fv)
+    return q, k, v, plan
+
+
+@pytest.mark.parametrize("estimator", bfla.ESTIMATORS)
+def test_estimates_with_left_padding(estimator):
+    """No mass on padded keys; rows of padding queries get none; the unpadded row is unchanged."""
+    q, k, _ = _qkv(b=2, sq=80, skv=120)  # offset 40; row 1: keys < 61 and queries 0..20 are padding
+    fv = torch.tensor([0, 61])
+    cfg = _cfg(estimator=estimator)
+    m = bfla.estimate_block_mass(q, k, scale=0.25, config=cfg, first_valid=fv)
+    rv = bfla.valid_rows(bfla.block_valid(80, 120, BS, None, "cpu"), 80, 120, BS, fv)
+    assert rv.shape == (2, 1, 5, 8) and not rv[1, 0, 0].any() and not rv[1, 0, :, :3].any()
+    assert (m[~rv.expand_as(m)] == 0).all()
+    torch.testing.assert_close(m[:1], bfla.estimate_block_mass(q[:1], k[:1], scale=0.25, config=cfg))
+    if estimator != "antidiag":  # antidiag's query groups of padding queries carry no mass: a proxy
+        want = torch.tensor([0.0, 1, 1, 1, 1]).expand(4, 5)
+        torch.testing.assert_close(m[1].sum(-1), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", PAD_CASES)
+def test_left_padding_plan_per_row(case):
+    """All-padding tiles are never kept; the sink starts at the block of the row's first valid key; the local band
+    and the dense last query block stay in absolute coordinates; the unpadded row's plan is unchanged."""
+    hq, hkv, sq, skv, softcap, window, fv = case
+    q, k, _, plan = _pad_plan(case, keep_mass=0.05, sink=1, local=0, dense_last_blocks=1)
+    keep = bfla.plan_keep(plan)
+    rv = bfla.valid_rows(plan.valid, sq, skv, BS, plan.first_valid)[:, 0]  # (B,NQ,NK)
+    assert not (keep & ~rv[:, None]).any()
+    assert not keep[1, :, :, : fv[1] // BS].any()  # key blocks of padding only
+    off = skv - sq
+    for b in range(2):
+        for i in range(plan.valid.shape[0]):
+            sink, diag = fv[b] // BS, (off + min(sq, (i + 1) * BS) - 1) // BS
+            for j in (sink, diag):
+                assert torch.equal(keep[b, :, i, j], rv[b, i, j].expand(hkv)), (b, i, j)
+    assert torch.equal(keep[:, :, -1], rv[:, None, -1].expand_as(keep[:, :, -1])), "last block dense"
+    cfg = _cfg(keep_mass=0.05, sink=1, local=0, dense_last_blocks=1, flat_entropy=1.0)
+    row0 = bfla.build_plan(q[:1], k[:1], scale=0.3, softcap=softcap, sliding_window=window, config=cfg)
+    assert torch.equal(row0.counts, plan.counts[:1]) and torch.equal(row0.ids, plan.ids[:1])
+
+
+@pytest.mark.parametrize("case", PAD_CASES)
+def test_left_padding_sparse_equals_reference_forward_and_grads(case):
+    hq, hkv, sq, skv, softcap, window, fv = case
+    q, k, v, plan = _pad_plan(case, grad=True, keep_mass=0.5, sink=1, local=0, dense_last_blocks=0)
+    assert float(bfla.plan_density(plan)) < 1.0
+    args = (plan.counts, plan.ids, 0.3, softcap or 0.0, window or 0, BS, plan.first_valid)
+    out = bfla.sparse_attention_cpu(q, k, v, plan, scale=0.3, softcap=softcap, sliding_window=window)
+    ref, _ = bfla.reference_sparse_fwd(q, k, v, *args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _masked_dense(q, k, v, plan, 0.3, softcap, window), atol=1e-5, rtol=1e-5)
+    pad_rows = max(0, fv[1] - (skv - sq))
+    assert (out[1, :, :pad_rows] == 0).all() and torch.isfinite(out).all()  # padding queries see no key
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    want = bfla.reference_sparse_bwd(g, q, k, v, *args)
+    for a, r in zip(got, want, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    assert (got[1][1, :, : fv[1]] == 0).all() and (got[2][1, :, : fv[1]] == 0).all()  # padded keys: no gradient
+    # batch 1 with padding: the inference fast path (split SDPA + explicit softmax)
+    row1 = bfla.BflaPlan(plan.counts[1:], plan.ids[1:], plan.valid, BS, plan.q_offset, plan.first_valid[1:])
+    with torch.no_grad():
+        fast = bfla.sparse_attention_cpu(q[1:], k[1:], v[1:], row1, scale=0.3, softcap=softcap, sliding_window=window)
+    torch.testing.assert_close(fast, ref[1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", PAD_CASES)
+def test_left_padding_keep_all_equals_dense(case):
+    """keep_mass=1.0 on a left-padded batch: the sparse path (not a fallback) equals dense with the same mask."""
+    hq, hkv, sq, skv, softcap, window, fv = case
+    q, k, v = _qkv(2, hq, hkv, sq, skv, grad=True)
+    mask = LeftPadding(torch.tensor(fv), sq, skv)
+    layer = LayerState(method=bfla.METHOD, config=_cfg(keep_mass=1.0), layer_idx=0, sparse_eligible=True)
+    out = bfla.METHOD.forward(q, k, v, mask, scale=0.3, causal=True, softcap=softcap, sliding_window=window,
+                              config=layer.config, layer=layer)
+    assert bfla.layer_stats(layer)["density"] == 1.0 and "kept" in layer.stats  # the sparse path ran
+    ref = dense_attention(q, k, v, mask, scale=0.3, softcap=softcap, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((ref * g).sum(), (q, k, v)),
+                    strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    # the reference op over the keep-all plan is the dense result too
+    plan = bfla.build_plan(q, k, scale=0.3, softcap=softcap, sliding_window=window, config=_cfg(keep_mass=1.0),
+                           first_valid=mask.first_valid)
+    ro, _ = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.3, softcap or 0.0, window or 0, BS,
+                                      plan.first_valid)
+    torch.testing.assert_close(ro, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_dispatch_dense_paths_and_noncontiguous_query():
     q, k, v = _qkv(sq=64, skv=64)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous layout like HF
@@ -309,6 +416,28 @@ def test_tiny_llama_prefill_generate_and_keep_all_equals_dense():
     handle.remove()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense_logits)
+
+
+def test_tiny_llama_left_padded_batch_runs_sparse():
+    model = _tiny_llama()
+    ids = torch.randint(3, 128, (2, 160), generator=torch.Generator().manual_seed(2))
+    am = torch.ones(2, 160, dtype=torch.long)
+    am[1, :37] = 0  # left padding off the 16-token block grid
+    with patch_model(model, method="dense"), torch.no_grad():
+        dense_logits = model(input_ids=ids, attention_mask=am).logits
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=1.0) as handle:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=am).logits
+        assert handle.stats()["density"] == pytest.approx(1.0)
+    real = am.bool()
+    torch.testing.assert_close(logits[real], dense_logits[real], atol=1e-5, rtol=1e-5)
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0) as handle:
+        with torch.no_grad():
+            sparse_logits = model(input_ids=ids, attention_mask=am).logits
+        st = handle.stats()
+    assert 0 < st["density"] < 1  # the sparse path ran on the padded batch (a fallback reports density 1)
+    assert all(0 < layer["density"] < 1 for layer in st["layers"].values())
+    assert torch.isfinite(sparse_logits).all()
 
 
 def test_tiny_llama_trains_through_sparse_path():

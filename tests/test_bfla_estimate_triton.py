@@ -69,10 +69,11 @@ def _config(case, backend, rescues=False):
     return bfla.BflaConfig(block_size=bs, rows_per_block=r, keep_mass=0.9, min_seq_len=0, backend=backend, **extra)
 
 
-def _plan(q, k, case, backend, rescues=False):
+def _plan(q, k, case, backend, rescues=False, first_valid=None):
     d, softcap, window = case[5], case[8], case[9]
     cfg = _config(case, backend, rescues)
-    return bfla.build_plan(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None, config=cfg)
+    return bfla.build_plan(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None, config=cfg,
+                           first_valid=first_valid)
 
 
 @needs_kernel
@@ -113,14 +114,48 @@ def test_estimate_kernel_plan_equal_and_repeatable(case, dtype, rescues):
         assert 0 < kept < valid  # a real selection, not keep-all
 
 
+# Left padding (case, first_valid): batch 2, row 1's first valid key off the block grid
+PAD_SMALL = [
+    ((2, 8, 2, 70, 103, 64, 16, 4, 5.0, 0), (0, 50)),  # offset 33: row 1's first 17 queries are padding; softcap
+    ((2, 4, 1, 97, 97, 128, 16, 3, 0.0, 40), (0, 29)),  # window, 3 rows
+]
+PAD_CUDA = [((2, 16, 2, 1500, 3100, 128, 128, 4, 0.0, 0), (0, 1234))]
+PAD_CASES = PAD_SMALL + (PAD_CUDA if ON_CUDA else [])
+
+
 @needs_kernel
-def test_estimate_kernel_no_host_sync(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case,pad", PAD_CASES)
+def test_estimate_kernel_left_padding_matches_reference(case, pad, dtype):
+    """Masses equal the torch estimator with the same padding; the plans (selection only, and with the default
+    rescues: sink from the row's first valid key block) are equal; no all-padding tile is kept."""
+    from hf_sparse_attn.kernels.bfla_estimate import triton_estimate_rows
+
+    b, hq, hkv, sq, skv, d, bs, r, softcap, window = case
+    q, k = _inputs(case, dtype)
+    fv = torch.tensor(pad, device=DEVICE)
+    got = triton_estimate_rows(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None,
+                               block_size=bs, rows_per_block=r, first_valid=fv)
+    ref = bfla._estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None, fv)
+    torch.testing.assert_close(got, ref, atol=1e-5 if dtype == torch.float32 else 2e-5, rtol=0)
+    assert (got[1, :, :, : pad[1] // bs] == 0).all()
+    for rescues in (False, True):
+        want = _plan(q, k, case, "torch", rescues, first_valid=fv)
+        plan = _plan(q, k, case, "triton", rescues, first_valid=fv)
+        assert torch.equal(plan.counts, want.counts) and torch.equal(plan.ids, want.ids)
+        assert not bfla.plan_keep(plan)[1, :, :, : pad[1] // bs].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("pad", [None, (50,)], ids=["unpadded", "left-padded"])
+def test_estimate_kernel_no_host_sync(monkeypatch, pad):
     """The Triton ``build_plan`` path reads nothing back to the host: every Tensor method that would sync a CUDA
     device raises during the call unless Triton's own launcher (the interpreter copies to the host) calls it."""
     if ON_CUDA:
         pytest.skip("CUDA: test_build_plan_no_sync_cuda checks the real thing")
     case = SMALL[1]
     q, k = _inputs(case, torch.float32)
+    fv = None if pad is None else torch.tensor(pad)
 
     def forbid(name, orig):
         def guarded(self, *a, **kw):
@@ -137,23 +172,25 @@ def test_estimate_kernel_no_host_sync(monkeypatch):
     with monkeypatch.context() as m:
         for name in names:
             m.setattr(torch.Tensor, name, forbid(name, getattr(torch.Tensor, name)))
-        plan = _plan(q, k, case, "triton", rescues=True)
-    ref = _plan(q, k, case, "torch", rescues=True)
+        plan = _plan(q, k, case, "triton", rescues=True, first_valid=fv)
+    ref = _plan(q, k, case, "torch", rescues=True, first_valid=fv)
     assert torch.equal(plan.counts, ref.counts) and torch.equal(plan.ids, ref.ids)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA: torch.cuda.set_sync_debug_mode")
-def test_build_plan_no_sync_cuda():
+@pytest.mark.parametrize("pad", [None, (777,)], ids=["unpadded", "left-padded"])
+def test_build_plan_no_sync_cuda(pad):
     case = CUDA_CASES[0]
     q, k = _inputs(case, torch.bfloat16)
-    _plan(q, k, case, "auto", rescues=True)  # compile outside the check
+    fv = None if pad is None else torch.tensor(pad, device=DEVICE)
+    _plan(q, k, case, "auto", rescues=True, first_valid=fv)  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        plan = _plan(q, k, case, "auto", rescues=True)
+        plan = _plan(q, k, case, "auto", rescues=True, first_valid=fv)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ref = _plan(q, k, case, "torch", rescues=True)
+    ref = _plan(q, k, case, "torch", rescues=True, first_valid=fv)
     assert torch.equal(plan.counts, ref.counts) and torch.equal(plan.ids, ref.ids)
 
 

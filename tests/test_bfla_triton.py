@@ -40,7 +40,7 @@ CUDA_CASES = [
 CASES = SMALL + (CUDA_CASES if ON_CUDA else [])
 
 
-def _plan_and_inputs(case, dtype, keep_mass=0.5):
+def _plan_and_inputs(case, dtype, keep_mass=0.5, first_valid=None):
     b, hq, hkv, sq, skv, d, bs, bm, bn, softcap, window = case
     g = torch.Generator().manual_seed(sq + skv)
     q = torch.randn(b, hq, sq, d, generator=g).to(DEVICE, dtype)
@@ -51,7 +51,9 @@ def _plan_and_inputs(case, dtype, keep_mass=0.5):
         block_size=bs, keep_mass=keep_mass, min_seq_len=0, rows_per_block=4, flat_entropy=1.0, sink=0, local=0,
         dense_last_blocks=0,
     )
-    plan = bfla.build_plan(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None, config=cfg)
+    fv = None if first_valid is None else torch.tensor(first_valid, device=DEVICE)
+    plan = bfla.build_plan(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None, config=cfg,
+                           first_valid=fv)
     return q, k, v, plan
 
 
@@ -92,6 +94,67 @@ def test_kernel_keep_all_equals_dense():
     q, k, v, plan = _plan_and_inputs(case, torch.float32, keep_mass=1.0)
     o, _ = triton_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 16)
     torch.testing.assert_close(o, dense_attention(q, k, v, None, scale=0.25), atol=2e-5, rtol=2e-5)
+
+
+# Left padding: batch 2, row 0 unpadded, row 1's first valid key off the block grid; with a query offset the first
+# queries of row 1 are padding too (they see no key: zero output and gradients).
+PAD_SMALL = [
+    ((2, 4, 2, 64, 64, 16, 32, 16, 16, 0.0, 0), (0, 21)),  # GQA, sub-tiles
+    ((2, 2, 1, 45, 83, 16, 16, 16, 16, 4.0, 0), (0, 45)),  # offset 38: 7 padding queries; softcap
+    ((2, 2, 2, 50, 83, 32, 16, 16, 16, 0.0, 21), (0, 40)),  # window, offset 33
+]
+PAD_CUDA = [
+    ((2, 8, 2, 700, 1000, 64, 128, None, None, 0.0, 0), (0, 333)),
+    ((2, 4, 4, 600, 600, 128, 64, None, None, 30.0, 256), (0, 77)),
+]
+PAD_CASES = PAD_SMALL + (PAD_CUDA if ON_CUDA else [])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case,pad", PAD_CASES)
+def test_kernel_left_padding_matches_reference(case, pad, dtype):
+    from hf_sparse_attn.kernels.bfla_bwd import triton_bwd
+    from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
+
+    b, hq, hkv, sq, skv, d, bs, bm, bn, softcap, window = case
+    q, k, v, plan = _plan_and_inputs(case, dtype, first_valid=pad)
+    fv, scale, tol = plan.first_valid, d**-0.5, _tol(dtype)
+    o, lse = triton_fwd(q, k, v, plan.counts, plan.ids, scale, softcap, window, bs, block_m=bm, block_n=bn,
+                        first_valid=fv)
+    args = (plan.counts, plan.ids, scale, softcap, window, bs, fv)
+    ro, rlse = bfla.reference_sparse_fwd(q.float(), k.float(), v.float(), *args)
+    torch.testing.assert_close(o.float(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, rlse, atol=tol, rtol=tol)
+    pad_rows = max(0, pad[1] - (skv - sq))
+    assert (o[1, :, :pad_rows] == 0).all() and torch.isfinite(lse).all()
+    do = torch.randn_like(o)
+    got = triton_bwd(do, q, k, v, o, lse, plan.counts, plan.ids, scale, softcap, window, bs, block_m=bm, block_n=bn,
+                     first_valid=fv)
+    want = bfla.reference_sparse_bwd(do.float(), q.float(), k.float(), v.float(), *args)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), r, atol=4 * tol, rtol=4 * tol)
+    assert (got[1][1, :, : pad[1]] == 0).all() and (got[2][1, :, : pad[1]] == 0).all()
+
+
+@needs_kernel
+def test_kernel_left_padding_keep_all_equals_dense():
+    from hf_sparse_attn.kernels.bfla_bwd import triton_bwd
+    from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
+    from hf_sparse_attn.masks import LeftPadding
+    from hf_sparse_attn.methods.dense import dense_attention
+
+    case = (2, 4, 2, 40, 57, 16, 16, 16, 16, 0.0, 0)  # offset 17: row 1's first 13 queries are padding
+    q, k, v, plan = _plan_and_inputs(case, torch.float32, keep_mass=1.0, first_valid=(0, 30))
+    fv = plan.first_valid
+    o, lse = triton_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 16, first_valid=fv)
+    qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
+    ref = dense_attention(qr, kr, vr, LeftPadding(fv, 40, 57), scale=0.25)
+    torch.testing.assert_close(o, ref, atol=2e-5, rtol=2e-5)
+    do = torch.randn_like(o)
+    got = triton_bwd(do, q, k, v, o, lse, plan.counts, plan.ids, 0.25, 0.0, 0, 16, first_valid=fv)
+    for g, r in zip(got, torch.autograd.grad(ref, (qr, kr, vr), do), strict=True):
+        torch.testing.assert_close(g, r, atol=8e-5, rtol=8e-5)
 
 
 # GQA packing (one program = the query heads of one KV group, or a power-of-two tile of them): ratios 1, 3 (padded
@@ -173,22 +236,25 @@ def test_custom_op_cuda_matches_cpu_path():
         torch.testing.assert_close(a.grad.cpu(), r.grad, atol=1e-3, rtol=1e-3)
 
 
-def test_custom_ops_cpu_opcheck():
-    """Schema, fake (meta) implementation, autograd registration of the ops (CPU implementation)."""
-    from hf_sparse_attn.kernels.bfla_fwd import bfla_fwd
+@pytest.mark.parametrize("pad", [None, (0, 43)], ids=["unpadded", "left-padded"])
+def test_custom_ops_cpu_opcheck(pad):
+    """Schema, fake (meta) implementation, autograd registration of the ops (CPU implementation); the optional
+    ``first_valid`` argument (left padding) included."""
+    from hf_sparse_attn.kernels.bfla_fwd import bfla_fwd, bfla_sparse_attention
 
-    case = (1, 2, 1, 40, 72, 16, 16, 16, 16, 2.0, 0)
-    b, hq, hkv, sq, skv, d, bs, *_ = case
+    b, hq, hkv, sq, skv, d, bs = (1 if pad is None else 2), 2, 1, 40, 72, 16, 16
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, hq, sq, d, generator=g, requires_grad=True)
     k = torch.randn(b, hkv, skv, d, generator=g, requires_grad=True)
     v = torch.randn(b, hkv, skv, d, generator=g, requires_grad=True)
     cfg = bfla.BflaConfig(block_size=bs, keep_mass=0.5, min_seq_len=0, flat_entropy=1.0)
-    plan = bfla.build_plan(q, k, scale=0.25, softcap=2.0, sliding_window=None, config=cfg)
-    args = (q, k, v, plan.counts, plan.ids, 0.25, 2.0, 0, bs)
+    fv = None if pad is None else torch.tensor(pad)
+    plan = bfla.build_plan(q, k, scale=0.25, softcap=2.0, sliding_window=None, config=cfg, first_valid=fv)
+    args = (q, k, v, plan.counts, plan.ids, 0.25, 2.0, 0, bs, plan.first_valid)
     torch.library.opcheck(bfla_fwd, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     o, lse = bfla_fwd(*args)
     assert o.is_contiguous() and lse.dtype == torch.float32
+    torch.testing.assert_close(bfla_sparse_attention(q, k, v, plan, scale=0.25, softcap=2.0), o)
     ref = bfla.sparse_attention_cpu(q, k, v, plan, scale=0.25, softcap=2.0)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
     go = torch.randn_like(o)

@@ -20,6 +20,16 @@ Pipeline of one sparse prefill call (all tensors stay on the input's device; the
 5. **Attend** exactly inside every kept tile: :func:`sparse_attention_cpu` (per query block, gather of the kept
    K/V blocks + SDPA / explicit softcap softmax; differentiable) on CPU, the Triton kernel
    (``hf_sparse_attn.kernels.bfla_fwd``) on CUDA.
+
+**Left padding** (a :class:`~hf_sparse_attn.masks.LeftPadding` mask): its ``first_valid (B,)`` goes into
+:func:`build_plan` and is kept in the plan (``plan.first_valid``); every stage honours it per batch row ``b``:
+the estimators leave keys ``j < first_valid[b]`` out of their softmax (``rows`` exactly; ``antidiag`` drops only
+the anti-diagonal cells whose keys are all padding: it is a proxy, and only the *estimate* is approximate), a tile
+is valid for row ``b`` only if it holds a key ``j >= first_valid[b]`` that a query of the block (``i >= j``) sees
+(:func:`valid_rows`), so all-padding tiles are never kept, the ``sink`` rescue keeps the ``sink`` key blocks
+starting at the block of ``first_valid[b]`` (the row's real first tokens, not its padding), and the local band /
+dense last query blocks stay in absolute coordinates. The attention paths mask keys ``j < first_valid[b]``
+token-exactly; query rows that see no key (padding queries) give zeros, as :func:`dense_attention` does.
 """
 
 from __future__ import annotations
@@ -121,13 +131,16 @@ class BflaConfig(MethodConfig):
 
 class BflaPlan(NamedTuple):
     """The sparse plan of one call. ``counts (B,Hkv,NQ)`` int32, ``ids (B,Hkv,NQ,NK)`` int32 (sorted kept ids
-    first), ``valid (NQ,NK)`` bool causal(+window) block grid, ``block_size``, ``q_offset = Skv - Sq``."""
+    first), ``valid (NQ,NK)`` bool causal(+window) block grid, ``block_size``, ``q_offset = Skv - Sq``,
+    ``first_valid (B,)`` long: the first non-padding key of every batch row (None: no padding; the attention masks
+    keys ``j < first_valid[b]``)."""
 
     counts: torch.Tensor
     ids: torch.Tensor
     valid: torch.Tensor
     block_size: int
     q_offset: int
+    first_valid: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,6 +169,17 @@ def block_valid(sq: int, skv: int, bs: int, sliding_window: int | None, device) 
     if sliding_window is not None:
         valid &= k_last[None, :] > q_first[:, None] - sliding_window
     return valid
+
+
+def valid_rows(valid: torch.Tensor, sq: int, skv: int, bs: int, first_valid: torch.Tensor | None) -> torch.Tensor:
+    """Per batch row valid tiles: ``valid (NQ,NK)`` as is without padding, else ``(B,1,NQ,NK)``: ``valid`` and the
+    key block holds a key ``j >= first_valid[b]`` that some query of the block (``i >= j``) sees."""
+    if first_valid is None:
+        return valid
+    _, q_last = _query_spans(sq, skv, bs, valid.device)
+    k_last = torch.clamp(torch.arange(1, valid.shape[1] + 1, device=valid.device) * bs, max=skv) - 1
+    fv = first_valid.to(valid.device).view(-1, 1, 1, 1)
+    return valid & (k_last >= fv) & (q_last[:, None] >= fv)
 
 
 def _token_keep(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -201,7 +225,7 @@ def _sampled_rows(sq: int, bs: int, r: int, device) -> torch.Tensor:
     return start[:, None] + off
 
 
-def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window):
+def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window, first_valid=None):
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -223,19 +247,25 @@ def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window):
         qs = q[:, :, rr.reshape(-1)]  # (B,Hq,n*r,D)
         s = _scores(qs.reshape(b, hkv, rep * n * r, d), k[:, :, k0:k1], scale, softcap)
         s = s.view(b, hkv, rep, n * r, k1 - k0)
-        keep = _token_keep(rr.reshape(-1) + off, torch.arange(k0, k1, device=q.device), sliding_window)
+        k_pos = torch.arange(k0, k1, device=q.device)
+        keep = _token_keep(rr.reshape(-1) + off, k_pos, sliding_window)
+        if first_valid is not None:
+            keep = keep & (k_pos >= first_valid.view(-1, 1, 1, 1, 1))  # (B,1,1,n*r,L)
         s.masked_fill_(~keep, float("-inf"))
         if (jhi - jlo) * bs != k1 - k0:
             s = F.pad(s, (0, (jhi - jlo) * bs - (k1 - k0)), value=float("-inf"))
         # block log-masses of every sampled row, normalized over the row: exact softmax mass per key block
         lse = torch.logsumexp(s.unflatten(-1, (jhi - jlo, bs)), dim=-1)  # (B,Hkv,rep,n*r,nblocks)
-        pb = torch.softmax(lse, dim=-1).nan_to_num_(0.0).view(b, hq, n, r, jhi - jlo).mean(3)
+        pb = torch.softmax(lse, dim=-1).nan_to_num_(0.0).view(b, hq, n, r, jhi - jlo)
+        live = lse.amax(-1).isfinite().view(b, hq, n, r, 1)  # sampled rows that see a key (padding queries don't)
+        pb = pb.sum(3) / live.sum(3).clamp_min(1)
         out.append(F.pad(pb, (jlo, nk - jhi)))
     return torch.cat(out, dim=2)
 
 
-def _estimate_pooled(q, k, scale, softcap, bs, sliding_window):
-    """Mean query of each block against every key, masked at the block's last row; block sums of its softmax."""
+def _estimate_pooled(q, k, scale, softcap, bs, sliding_window, first_valid=None):
+    """Mean query of each block against every key, masked at the block's last row (and the row's padding keys);
+    block sums of its softmax."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -250,14 +280,16 @@ def _estimate_pooled(q, k, scale, softcap, bs, sliding_window):
     keep = _token_keep(q_last, torch.arange(skv, device=q.device), None)
     if sliding_window is not None:
         keep &= torch.arange(skv, device=q.device)[None, :] > q_first[:, None] - sliding_window
-    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+    if first_valid is not None:
+        keep = keep & (torch.arange(skv, device=q.device) >= first_valid.view(-1, 1, 1, 1))  # (B,1,NQ,Skv)
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num_(0.0)
     return _block_sum(p, skv, bs)
 
 
-def _estimate_antidiag(q, k, scale, softcap, bs, stride, sliding_window):
+def _estimate_antidiag(q, k, scale, softcap, bs, stride, sliding_window, first_valid=None):
     """XAttention-style: the mean logit of one anti-diagonal per stride×stride cell stands for the cell; softmax
     over the cells of a query group (each cell weighted by its ``stride`` keys), summed per key block, averaged
-    over the query groups of a block."""
+    over the query groups of a block. Padding: only key groups that are all padding leave the softmax."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -275,6 +307,8 @@ def _estimate_antidiag(q, k, scale, softcap, bs, stride, sliding_window):
     keep = k_first[None, :] <= q_last[:, None]
     if sliding_window is not None:
         keep &= k_first[None, :] + st - 1 > q_first[:, None] - sliding_window
+    if first_valid is not None:
+        keep = keep & (k_first + st - 1 >= first_valid.view(-1, 1, 1, 1))  # (B,1,Gq,Gk)
     nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
     qa = qa.view(b, hkv, rep, gq, st * d)
     out = []
@@ -285,8 +319,8 @@ def _estimate_antidiag(q, k, scale, softcap, bs, stride, sliding_window):
         s = s * (scale / st)
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        s = s.view(b, hq, n, gk).masked_fill(~keep[g0 : g0 + n], float("-inf"))
-        out.append(torch.softmax(s, dim=-1))
+        s = s.view(b, hq, n, gk).masked_fill(~keep[..., g0 : g0 + n, :], float("-inf"))
+        out.append(torch.softmax(s, dim=-1).nan_to_num_(0.0))
     p = torch.cat(out, dim=2)  # (B,Hq,Gq,Gk)
     gpb = bs // st
     pk = F.pad(p, (0, nk * gpb - gk)) if nk * gpb != gk else p
@@ -304,8 +338,10 @@ def estimate_block_mass(
     softcap: float | None = None,
     sliding_window: int | None = None,
     config: BflaConfig,
+    first_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Estimated block masses ``(B,Hq,NQ,NK)`` fp32; each row sums to 1 over its valid (causal+window) blocks."""
+    """Estimated block masses ``(B,Hq,NQ,NK)`` fp32; each row sums to 1 over its valid (causal+window) blocks.
+    ``first_valid (B,)``: left padding, keys ``j < first_valid[b]`` get no mass (rows of padding queries: 0)."""
     bs = config.block_size
     with torch.no_grad():
         on_triton = _use_triton(q, config) and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -314,16 +350,16 @@ def estimate_block_mass(
 
             m = triton_estimate_rows(
                 q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, block_size=bs,
-                rows_per_block=config.rows_per_block,
+                rows_per_block=config.rows_per_block, first_valid=first_valid,
             )
         elif config.estimator == "rows":
-            m = _estimate_rows(q, k, scale, softcap, bs, min(config.rows_per_block, bs), sliding_window)
+            m = _estimate_rows(q, k, scale, softcap, bs, min(config.rows_per_block, bs), sliding_window, first_valid)
         elif config.estimator == "pooled":
-            m = _estimate_pooled(q, k, scale, softcap, bs, sliding_window)
+            m = _estimate_pooled(q, k, scale, softcap, bs, sliding_window, first_valid)
         else:
-            m = _estimate_antidiag(q, k, scale, softcap, bs, config.antidiag_stride, sliding_window)
+            m = _estimate_antidiag(q, k, scale, softcap, bs, config.antidiag_stride, sliding_window, first_valid)
         valid = block_valid(q.shape[2], k.shape[2], bs, sliding_window, q.device)
-        return m * valid
+        return m * valid_rows(valid, q.shape[2], k.shape[2], bs, first_valid)
 
 
 def exact_block_mass(
@@ -403,25 +439,26 @@ def _union_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
 
 def flat_heads(mass: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     """(B,Hq) bool: the mean normalized entropy of the estimated block distribution (over query blocks with at
-    least two valid key blocks) exceeds ``threshold``."""
-    n = valid.sum(-1).to(torch.float32)  # (NQ,)
+    least two valid key blocks) exceeds ``threshold``. ``valid``: ``(NQ,NK)`` or per batch row ``(B,1,NQ,NK)``."""
+    n = valid.sum(-1).to(torch.float32)  # (NQ,) or (B,1,NQ)
     p = mass.clamp_min(0)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # (B,Hq,NQ)
     rows = n >= 2
     norm = torch.where(rows, ent / torch.log(n.clamp_min(2)), torch.zeros_like(ent))
-    mean = norm.sum(-1) / rows.sum().clamp_min(1)
-    return (mean > threshold) & rows.any()
+    mean = norm.sum(-1) / rows.sum(-1).clamp_min(1)
+    return (mean > threshold) & rows.any(-1)
 
 
-def rescue_mask(sq: int, skv: int, config: BflaConfig, device) -> torch.Tensor:
-    """(NQ, NK) bool of the content-independent rescues: sink, local band, dense last query blocks."""
+def rescue_mask(sq: int, skv: int, config: BflaConfig, device, first_valid: torch.Tensor | None = None):
+    """(NQ, NK) bool of the content-independent rescues: sink, local band, dense last query blocks.
+
+    With left padding (``first_valid (B,)``) the sink is per batch row, the ``sink`` key blocks from the block of
+    the row's first valid key on: ``(B,1,NQ,NK)``. The local band and the last query blocks are absolute."""
     bs = config.block_size
     nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
     kb = torch.arange(nk, device=device)
     forced = torch.zeros(nq, nk, dtype=torch.bool, device=device)
-    if config.sink > 0:
-        forced |= kb[None, :] < config.sink
     if config.local >= 0:
         q_first, q_last = _query_spans(sq, skv, bs, device)
         lo = q_first // bs - config.local
@@ -429,6 +466,9 @@ def rescue_mask(sq: int, skv: int, config: BflaConfig, device) -> torch.Tensor:
         forced |= (kb[None, :] >= lo[:, None]) & (kb[None, :] <= hi[:, None])
     if config.dense_last_blocks > 0:
         forced[max(0, nq - config.dense_last_blocks) :] = True
+    if config.sink > 0:
+        first = 0 if first_valid is None else first_valid.to(device).view(-1, 1, 1, 1) // bs
+        forced = forced | ((kb >= first) & (kb < first + config.sink))
     return forced
 
 
@@ -447,28 +487,37 @@ def build_plan(
     softcap: float | None,
     sliding_window: int | None,
     config: BflaConfig,
+    first_valid: torch.Tensor | None = None,
 ) -> BflaPlan:
-    """Stage 1 + 2: estimate, select, union over GQA groups, rescues; compact per-row lists. No host sync."""
+    """Stage 1 + 2: estimate, select, union over GQA groups, rescues; compact per-row lists. No host sync.
+
+    ``first_valid (B,)``: left padding (first non-padding key of every batch row; None = none). Tiles that hold no
+    visible non-padding key are never kept for that row (:func:`valid_rows`); the sink counts from the row's
+    first valid key block (:func:`rescue_mask`); the plan carries ``first_valid`` to the attention."""
     sq, skv = q.shape[2], k.shape[2]
     hkv = k.shape[1]
     bs = config.block_size
     valid = block_valid(sq, skv, bs, sliding_window, q.device)
+    fv = None if first_valid is None else first_valid.to(device=q.device, dtype=torch.long)
+    rvalid = valid_rows(valid, sq, skv, bs, fv)  # (NQ,NK) or (B,1,NQ,NK)
     with torch.no_grad():
         if config.keep_mass >= 1.0:
-            keep = valid.expand(q.shape[0], hkv, *valid.shape)
+            keep = rvalid.expand(q.shape[0], hkv, *valid.shape)
         else:
-            mass = estimate_block_mass(q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
+            mass = estimate_block_mass(
+                q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
+            )
             sel = select_by_mass(
-                mass, config.keep_mass, min_blocks=config.min_blocks, max_density=config.max_density, valid=valid
+                mass, config.keep_mass, min_blocks=config.min_blocks, max_density=config.max_density, valid=rvalid
             )
             keep = _union_groups(sel, hkv)
-            keep = keep | rescue_mask(sq, skv, config, q.device)
+            keep = keep | rescue_mask(sq, skv, config, q.device, fv)
             if config.flat_entropy < 1.0:
-                flat = _union_groups(flat_heads(mass, valid, config.flat_entropy), hkv)  # (B,Hkv)
+                flat = _union_groups(flat_heads(mass, rvalid, config.flat_entropy), hkv)  # (B,Hkv)
                 keep = keep | flat[:, :, None, None]
-            keep = keep & valid
+            keep = keep & rvalid
         counts, ids = compact(keep)
-    return BflaPlan(counts, ids, valid, bs, skv - sq)
+    return BflaPlan(counts, ids, valid, bs, skv - sq, fv)
 
 
 def plan_keep(plan: BflaPlan) -> torch.Tensor:
@@ -490,12 +539,16 @@ def plan_density(plan: BflaPlan) -> torch.Tensor:
 
 
 def tile_token_mask(plan: BflaPlan, sq: int, skv: int, sliding_window: int | None) -> torch.Tensor:
-    """(B,Hkv,Sq,Skv) bool token mask equivalent to the plan (kept tiles ∧ causal ∧ window). For tests."""
+    """(B,Hkv,Sq,Skv) bool token mask equivalent to the plan (kept tiles ∧ causal ∧ window ∧ not padding)."""
     bs = plan.block_size
     keep = plan_keep(plan)
     tok = keep.repeat_interleave(bs, dim=2)[:, :, :sq].repeat_interleave(bs, dim=3)[..., :skv]
     q_pos = torch.arange(sq, device=keep.device) + (skv - sq)
-    return tok & _token_keep(q_pos, torch.arange(skv, device=keep.device), sliding_window)
+    k_pos = torch.arange(skv, device=keep.device)
+    tok = tok & _token_keep(q_pos, k_pos, sliding_window)
+    if plan.first_valid is not None:
+        tok = tok & (k_pos >= plan.first_valid.to(keep.device).view(-1, 1, 1, 1))
+    return tok
 
 
 def mass_density(sel: torch.Tensor, sq: int, skv: int, bs: int, *, kv_heads: int) -> float:
@@ -518,17 +571,18 @@ def captured_mass(exact: torch.Tensor, sel: torch.Tensor, *, kv_heads: int) -> f
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scale, softcap, sliding_window):
+def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scale, softcap, sliding_window, fv=0):
     """No-grad fast path for one query block of one KV head (batch 1): the kept key blocks entirely visible to
     every query of the block go through mask-free SDPA (with its LSE), the few blocks that need a mask (diagonal,
-    window edge, padding) through an explicit softmax; the two are merged with their log-sum-exps.
+    window edge, sequence end, left padding before key ``fv``) through an explicit softmax; the two are merged
+    with their log-sum-exps.
 
     ``qq (rep, rows, D)``, ``ids_i (n,)`` kept ids ascending. Returns ``(rep, rows, D)``.
     """
     rep, rows, d = qq.shape
     k_first = ids_i * bs
     k_last = k_first + bs - 1
-    full = k_last <= q_first
+    full = (k_last <= q_first) & (k_first >= fv)
     if sliding_window is not None:
         full &= k_first > int(q_pos[-1]) - sliding_window
     full_ids, part_ids = ids_i[full], ids_i[~full]
@@ -552,7 +606,7 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
         kk = kb_h.index_select(0, part_ids).reshape(-1, d)
         vv = vb_h.index_select(0, part_ids).reshape(-1, d)
         k_pos = (part_ids[:, None] * bs + torch.arange(bs)).reshape(-1)
-        allowed = _token_keep(q_pos, k_pos, sliding_window) & (k_pos < skv)[None, :]  # (rows, L)
+        allowed = _token_keep(q_pos, k_pos, sliding_window) & ((k_pos < skv) & (k_pos >= fv))[None, :]  # (rows, L)
         ct = torch.promote_types(qq.dtype, torch.float32)
         sc = torch.matmul(q2[0, 0].to(ct), kk.to(ct).T) * scale  # (rep*rows, L)
         if softcap:
@@ -584,8 +638,9 @@ def sparse_attention_cpu(
     """Exact attention restricted to the plan's kept tiles (any device; reads the lists on the host).
 
     Differentiable w.r.t. q, k, v (plain autograd through gather + SDPA / explicit softmax). Without autograd
-    (inference) on CPU with batch 1, a faster split path runs (:func:`_attend_split`). Rows that see no key (only
-    possible with ``local=-1``) give zeros.
+    (inference) on CPU with batch 1, a faster split path runs (:func:`_attend_split`). Left padding
+    (``plan.first_valid``): keys ``j < first_valid[b]`` are masked. Rows that see no key (padding queries, or
+    ``local=-1``) give zeros.
     """
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
@@ -595,6 +650,7 @@ def sparse_attention_cpu(
     off = skv - sq
     counts = plan.counts.cpu()
     ids = plan.ids.cpu().long()
+    fv = None if plan.first_valid is None else plan.first_valid.cpu()
     if nk * bs != skv:
         kp, vp = F.pad(k, (0, 0, 0, nk * bs - skv)), F.pad(v, (0, 0, 0, nk * bs - skv))
     else:
@@ -604,7 +660,8 @@ def sparse_attention_cpu(
     fast = not need_grad and b == 1 and q.device.type == "cpu"
     inner = torch.arange(bs)
     bidx = torch.arange(b)[:, None]
-    n_valid = plan.valid.sum(-1).to(torch.int32).cpu()  # (NQ,)
+    n_valid = valid_rows(plan.valid, sq, skv, bs, plan.first_valid).sum(-1).to(torch.int32).cpu().view(-1, nq)
+    pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
     heads = []
     for h in range(hkv):
         if bool((counts[:, h] == n_valid).all()):  # a dense head (flat fallback, keep-all): one exact SDPA call
@@ -613,7 +670,7 @@ def sparse_attention_cpu(
                     q[:, h * rep : (h + 1) * rep],
                     k[:, h : h + 1],
                     v[:, h : h + 1],
-                    None,
+                    pad_mask,
                     scale=scale,
                     causal=True,
                     softcap=softcap,
@@ -628,6 +685,9 @@ def sparse_attention_cpu(
             qq = q[:, h * rep : (h + 1) * rep, r0:r1]
             cnt = counts[:, h, i]
             n = int(cnt.max())
+            if n == 0:  # only padding queries (left padding): no key for any row
+                pieces.append(torch.zeros_like(qq))
+                continue
             if fast:
                 o = _attend_split(
                     qq[0],
@@ -643,6 +703,7 @@ def sparse_attention_cpu(
                     scale,
                     softcap,
                     sliding_window,
+                    0 if fv is None else int(fv[0]),
                 )
                 pieces.append(o[None])
                 continue
@@ -660,6 +721,8 @@ def sparse_attention_cpu(
             allowed = k_pos[:, None, :] <= q_pos[None, :, None]  # (B,rows,L)
             if sliding_window is not None:
                 allowed &= k_pos[:, None, :] > q_pos[None, :, None] - sliding_window
+            if fv is not None:
+                allowed &= k_pos[:, None, :] >= fv[:, None, None]
             if not contiguous:
                 slot_ok = (torch.arange(n)[None, :] < cnt[:, None]).repeat_interleave(bs, dim=1)
                 allowed &= (k_pos < skv)[:, None, :] & slot_ok[:, None, :]
@@ -684,14 +747,17 @@ def sparse_attention_cpu(
     return torch.cat(heads, dim=1) if len(heads) > 1 else heads[0]
 
 
-def reference_sparse_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int):
+def reference_sparse_fwd(
+    q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int, first_valid=None
+):
     """Reference of the ``hf_sparse_attn::bfla_fwd`` op: explicit masked softmax over the listed tiles ->
-    ``(o (B,Hq,Sq,D), lse (B,Hq,Sq) fp32)``; ``softcap=0``/``window=0`` mean none. O(Sq·Skv) memory (tests)."""
+    ``(o (B,Hq,Sq,D), lse (B,Hq,Sq) fp32)``; ``softcap=0``/``window=0`` mean none, ``first_valid (B,)`` masks keys
+    ``j < first_valid[b]`` (None: no padding). Rows without keys: o = 0, lse = 0. O(Sq·Skv) memory (tests)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
     w = int(window) or None
-    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq)
+    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq, first_valid)
     tm = tile_token_mask(plan, sq, skv, w)[:, :, None]  # (B,Hkv,1,Sq,Skv)
     ct = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q.reshape(b, hkv, rep, sq, d).to(ct), k.to(ct)[:, :, None].transpose(-1, -2)) * scale
@@ -707,13 +773,15 @@ def reference_sparse_fwd(q, k, v, counts, ids, scale: float, softcap: float, win
     return o.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).to(torch.float32)
 
 
-def reference_sparse_bwd(do, q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int):
+def reference_sparse_bwd(
+    do, q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int, first_valid=None
+):
     """Reference of the ``hf_sparse_attn::bfla_bwd`` op (explicit formulas, no autograd) -> (dq, dk, dv)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
     w = int(window) or None
-    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq)
+    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq, first_valid)
     tm = tile_token_mask(plan, sq, skv, w)[:, :, None]  # (B,Hkv,1,Sq,Skv)
     ct = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(b, hkv, rep, sq, d).to(ct)
@@ -754,12 +822,14 @@ def _compiled_flex():
     return _FLEX
 
 
-def _flex_unsupported(q, k, v, softcap, sliding_window) -> str | None:
+def _flex_unsupported(q, k, v, softcap, sliding_window, first_valid=None) -> str | None:
     """Why the flex backend cannot run this call (None when it can)."""
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return "has no backward on CPU (training)"
     if softcap or sliding_window is not None:
         return "does not compile softcap / sliding window with dynamic shapes here"
+    if first_valid is not None:
+        return "does not take left padding"
     return None
 
 
@@ -819,9 +889,7 @@ def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None]:
         return False, None
     if not causal:
         return False, "bfla: non-causal attention runs the exact dense path"
-    if isinstance(mask, LeftPadding):
-        return False, "bfla: left-padded batch (padding mask present) runs the exact dense path"
-    if mask is not None:
+    if mask is not None and not isinstance(mask, LeftPadding):  # left padding runs sparse (plan.first_valid)
         return False, "bfla: an explicit attention mask (bool tensor) runs the exact dense path"
     if q.is_cuda and config.backend != "torch" and q.shape[-1] not in TRITON_HEAD_DIMS:
         return False, f"bfla: head_dim {q.shape[-1]} is not supported by the Triton kernel; runs the exact dense path"
@@ -837,10 +905,16 @@ def bfla_attention(
     softcap: float | None = None,
     sliding_window: int | None = None,
     config: BflaConfig,
+    first_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BflaPlan]:
-    """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``."""
-    plan = build_plan(q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
-    flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window) if config.backend == "flex" else None
+    """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``. ``first_valid (B,)``:
+    left padding (the first valid key of every batch row), honoured by the plan and every attention path."""
+    plan = build_plan(
+        q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
+    )
+    flex_problem = None
+    if config.backend == "flex":
+        flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window, plan.first_valid)
     if flex_problem is not None:
         log_once(f"bfla: backend='flex' {flex_problem}; using the gather path")
     if config.backend == "flex" and flex_problem is None:
@@ -865,11 +939,15 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
             q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, config=None,
             layer=None,
         )
-    out, plan = bfla_attention(q, k, v, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
+    fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
+    out, plan = bfla_attention(
+        q, k, v, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
+    )
     if layer is not None:
+        rvalid = valid_rows(plan.valid, q.shape[2], k.shape[2], plan.block_size, plan.first_valid)
         layer.stats = {
             "kept": plan.counts.sum(dim=(0, 2)),  # (Hkv,) summed over the batch
-            "valid": plan.valid.sum() * plan.counts.shape[0],
+            "valid": rvalid.expand(plan.counts.shape[0], 1, *plan.valid.shape).sum(),  # per-row valid tiles
         }
     return out
 
@@ -907,4 +985,5 @@ __all__ = [
     "sparse_attention_cpu",
     "tile_token_mask",
     "transpose_plan",
+    "valid_rows",
 ]
