@@ -55,6 +55,18 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
 
 
 @triton.jit
+def _key_range(pid_m, q_off, skv, window, fv, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_FV: tl.constexpr):
+    """Keys ``[lo, hi)`` the query block ``pid_m`` can see (causal, window, left padding); lo on the BLOCK_N grid."""
+    hi = tl.minimum(skv, q_off + pid_m * BLOCK_M + BLOCK_M)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(0, q_off + pid_m * BLOCK_M - window + 1)
+    if HAS_FV:
+        lo = tl.maximum(lo, fv)
+    return (lo // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
 def _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv, scale, am1, softcap,
                      HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
     """Load the key sub-tile ``offs_n`` and score it (:func:`_scores`) -> (s, tanh term, the loaded K tile)."""
@@ -102,14 +114,7 @@ def _entmax_fwd_kernel(
     n = tl.load(NV + b * snvb + offs_m, mask=row_ok, other=0.0).to(tl.float32)
     live = n > 0
     n = tl.maximum(n, 1.0)
-    # visible key range of the block
-    hi_key = tl.minimum(skv, q_off + pid_m * BLOCK_M + BLOCK_M)
-    lo_key = 0
-    if window > 0:
-        lo_key = tl.maximum(0, q_off + pid_m * BLOCK_M - window + 1)
-    if HAS_FV:
-        lo_key = tl.maximum(lo_key, fv)
-    lo_key = (lo_key // BLOCK_N) * BLOCK_N
+    lo_key, hi_key = _key_range(pid_m, q_off, skv, window, fv, BLOCK_M, BLOCK_N, HAS_FV)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     offs_nb = tl.arange(0, BLOCK_N)
@@ -203,13 +208,7 @@ def _entmax_bwd_dq_kernel(
     fv = 0
     if HAS_FV:
         fv = tl.load(FV + b).to(tl.int32)
-    hi_key = tl.minimum(skv, q_off + pid_m * BLOCK_M + BLOCK_M)
-    lo_key = 0
-    if window > 0:
-        lo_key = tl.maximum(0, q_off + pid_m * BLOCK_M - window + 1)
-    if HAS_FV:
-        lo_key = tl.maximum(lo_key, fv)
-    lo_key = (lo_key // BLOCK_N) * BLOCK_N
+    lo_key, hi_key = _key_range(pid_m, q_off, skv, window, fv, BLOCK_M, BLOCK_N, HAS_FV)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     offs_nb = tl.arange(0, BLOCK_N)
