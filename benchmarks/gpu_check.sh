@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One-shot GPU check (DESIGN.md §9): Triton kernel tests on CUDA + the GPU benchmark grid, JSON into $OUT.
-# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh      (run from the repository root)
-# Each section writes its own JSON/log; a failing section is recorded and the script goes on.
+# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh      (run from the repository root; ~5 min on one H200)
+# Each section writes its own JSON/log into a work folder; a failing section is recorded and the script goes on.
+# At the end everything is packed into $OUT/gpu_check.tgz and $OUT/summary.txt (the device tool returns at most
+# 8 files). Optional input: gpu_inputs/qk_*.safetensors (real Q/K, see benchmarks/bench_bfla_gpu_real.py).
 set -u
 OUT="${OUT:-$(pwd)/gpu_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python}"
+W="$(mktemp -d)"
+PY="${PYTHON:-python3}"
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # The GPU machine has torch/triton/transformers but not this package: assemble the installed layout
 # (kernels/ and eval/ become hf_sparse_attn.kernels / hf_sparse_attn.eval) in a temporary folder. Never put the
@@ -19,40 +22,52 @@ if ! "$PY" -c "import hf_sparse_attn.kernels" 2>/dev/null; then
   cp -r eval "$PKG/hf_sparse_attn/eval"
   export PYTHONPATH="$PKG:${PYTHONPATH:-}"
 fi
+XDIST=""
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
 
 status=0
 section() {  # section NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$W/$name.log" 2>&1
   local rc=$?
   local dt=$(( $(date +%s) - t0 ))
-  echo "{\"section\": \"$name\", \"rc\": $rc, \"seconds\": $dt}" >>"$OUT/sections.jsonl"
-  echo "[$name] rc=$rc ${dt}s (log: $OUT/$name.log)"
+  echo "{\"section\": \"$name\", \"rc\": $rc, \"seconds\": $dt}" >>"$W/sections.jsonl"
+  echo "[$name] rc=$rc ${dt}s"
   [ $rc -eq 0 ] || status=1
+  pack
+}
+pack() {  # after every section, so that a run stopped from outside still returns what it measured
+  { cat "$W/env.json"; cat "$W/sections.jsonl"; tail -n 40 "$W/kernel_tests.log" 2>/dev/null; } >"$OUT/summary.txt"
+  tar czf "$OUT/gpu_check.tgz" -C "$W" .
 }
 
-"$PY" - <<'EOF' >"$OUT/env.json" 2>&1 || status=1
+"$PY" - <<'PYEOF' >"$W/env.json" 2>&1 || status=1
 import json, torch, triton, transformers
 print(json.dumps({"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                   "cuda": torch.cuda.is_available(),
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}))
-EOF
-cat "$OUT/env.json"
+PYEOF
+cat "$W/env.json"
 
-# ---------------------------------------------------------------------------------------------------------- bfla
-# Kernel tests on CUDA (fp32, fp16, bf16; head_dim 16..256), then the grid (bf16, causal, D 128, GQA 32/8,
-# 8k..128k: SDPA flash, BFLA kernel at fixed densities, flex_attention with the same block mask, estimator time).
-section bfla_tests 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_bfla_triton.py tests/test_bfla.py \
-  tests/test_bfla_estimate_triton.py tests/test_windowed.py --junitxml="$OUT/bfla_tests.xml"
-section bfla_bench 150 "$PY" benchmarks/bench_bfla_gpu.py --out "$OUT/bfla_bench.json" --budget-s 120
+# Kernel tests on CUDA: bfla (fwd, bwd, estimator, band path; fp32, fp16, bf16; head_dim 16..256) and entmax.
+section kernel_tests 170 "$PY" -m pytest -q -rfE $XDIST -p no:cacheprovider tests/test_bfla_triton.py \
+  tests/test_bfla.py tests/test_bfla_estimate_triton.py tests/test_windowed.py tests/test_entmax_triton.py tests/test_cuda.py \
+  -k "not interpret" --junitxml="$W/kernel_tests.xml"
+# bfla on real attention (Q/K captured from SmolLM2 at 16k here; default config) vs SDPA flash.
+for f in gpu_inputs/qk_*.safetensors; do
+  [ -f "$f" ] || continue
+  section "real_$(basename "$f" .safetensors)" 50 "$PY" benchmarks/bench_bfla_gpu_real.py run --inputs "$f" \
+    --out "$W/real_$(basename "$f" .safetensors).json"
+done
+# The grid: bf16, causal, D 128, GQA 32/8, 8k..128k: SDPA flash, the BFLA kernel at fixed densities, flex_attention
+# with the same block mask (up to --flex-max), estimator time.
+section bfla_bench 120 "$PY" benchmarks/bench_bfla_gpu.py --out "$W/bfla_bench.json" --budget-s 70 --flex-max 16384
 # Sliding-window layers: masked SDPA (what transformers runs) vs the bfla kernel over the band's tiles, bf16.
-section windowed_bench 60 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
-  --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$OUT"
-# ------------------------------------------------------------------------------------------------------ end bfla
+section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
+  --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$W/windowed"
+# Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash (its own script; tests ran above).
+section entmax_bench 120 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
 
-# -------------------------------------------------------------------------------------------------------- entmax
-section entmax 200 env OUT="$OUT" PYTHON="$PY" bash benchmarks/gpu_check_entmax.sh
-
-echo "done: status=$status, results in $OUT"
+echo "done: status=$status, results in $OUT (summary.txt, gpu_check.tgz)"
 exit $status

@@ -8,13 +8,15 @@ set -uo pipefail
 OUT="${OUT:-/tmp/hf_sparse_attn_gpu}"
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
 [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 
 status=0
-timeout 100 "$PY" -m pytest tests/test_entmax_triton.py -q -k "cuda and bfloat16" -p no:cacheprovider \
-    >"$OUT/entmax_pytest.log" 2>&1 || status=1
-tail -3 "$OUT/entmax_pytest.log"
+if [ -z "${SKIP_TESTS:-}" ]; then  # gpu_check.sh runs the tests itself and sets SKIP_TESTS=1
+  timeout 100 "$PY" -m pytest tests/test_entmax_triton.py -q -k "cuda" -p no:cacheprovider \
+      >"$OUT/entmax_pytest.log" 2>&1 || status=1
+  tail -3 "$OUT/entmax_pytest.log"
+fi
 
 timeout 150 "$PY" - "$OUT" <<'EOF' || status=1
 import json, statistics, sys, time, traceback
@@ -121,7 +123,7 @@ for n in (8192, 16384, 32768):
     print(json.dumps(row), flush=True)
     q = k = v = None
     torch.cuda.empty_cache()
-    if time.time() - t_start > 100:
+    if time.time() - t_start > 70:
         res["errors"].append(f"stopped after n={n}: time budget")
         break
 
