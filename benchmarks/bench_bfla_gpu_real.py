@@ -69,6 +69,12 @@ def _bench_layer(q, k, scale, softcap, cfg) -> dict:
     row["plan_ms"] = triton.testing.do_bench(
         lambda: bfla.build_plan(q, k, scale=scale, softcap=softcap, sliding_window=None, config=cfg), warmup=5, rep=30
     )
+    # the kernel against the fp32 PyTorch reference over the same tile lists: exactness on real data
+    ro, _ = bfla.reference_sparse_fwd(
+        q.float(), k.float(), v.float(), plan.counts, plan.ids, scale, softcap or 0.0, 0, plan.block_size
+    )
+    row["kernel_vs_reference_max_abs"] = float((out.float() - ro).abs().max())
+    del ro
     if ref is not None:
         err = (out.float() - ref.float()).abs()
         denom = float(ref.float().abs().mean())

@@ -26,8 +26,9 @@ XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
 
 status=0
-section() {  # section NAME TIMEOUT_S CMD...
+section() {  # section NAME TIMEOUT_S CMD...   (ONLY="name1 name2": run only those sections)
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${name%%_qk*} "* ]]; then return; fi
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$W/$name.log" 2>&1
   local rc=$?
@@ -51,7 +52,7 @@ PYEOF
 cat "$W/env.json"
 
 # Kernel tests on CUDA: bfla (fwd, bwd, estimator, band path; fp32, fp16, bf16; head_dim 16..256) and entmax.
-section kernel_tests 170 "$PY" -m pytest -q -rfE $XDIST -p no:cacheprovider tests/test_bfla_triton.py \
+section kernel_tests 200 "$PY" -P -m pytest -q -rfE $XDIST -p no:cacheprovider tests/test_bfla_triton.py \
   tests/test_bfla.py tests/test_bfla_estimate_triton.py tests/test_windowed.py tests/test_entmax_triton.py tests/test_cuda.py \
   -k "not interpret" --junitxml="$W/kernel_tests.xml"
 # bfla on real attention (Q/K captured from SmolLM2 at 16k here; default config) vs SDPA flash.
@@ -67,7 +68,10 @@ section bfla_bench 120 "$PY" benchmarks/bench_bfla_gpu.py --out "$W/bfla_bench.j
 section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
   --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$W/windowed"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash (its own script; tests ran above).
-section entmax_bench 120 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
+section entmax_bench 110 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
+
+# Launch settings of the forward kernel per shape, and where the plan's time goes (sets the GPU defaults).
+section tune 130 "$PY" benchmarks/tune_bfla_gpu.py --out "$W/tune.json" --budget-s 90
 
 echo "done: status=$status, results in $OUT (summary.txt, gpu_check.tgz)"
 exit $status

@@ -175,22 +175,23 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int,
-                first_valid=None):
+                first_valid=None, num_warps: int | None = None, num_stages: int = 2):
     """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse).
-    ``first_valid (B,)``: left padding (None: none)."""
+    ``first_valid (B,)``: left padding (None: none); ``num_warps`` None: by tile size."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(sq, bm), b * hkv, triton.cdiv(hq // hkv, hpt))
-    num_warps = 8 if (hpt * bm >= 128 and d >= 128) else 4
+    if num_warps is None:
+        num_warps = 8 if (hpt * bm >= 128 and d >= 128) else 4
     _bfla_fwd_kernel[grid](
         q, k, v, o, lse, counts, ids, counts if first_valid is None else first_valid.contiguous(),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(),
         hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0),
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None,
         DOT_PREC=_dot_prec(q.dtype),
-        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, num_warps=num_warps, num_stages=2,
+        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
 
