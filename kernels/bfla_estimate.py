@@ -11,17 +11,20 @@ key block ``J`` (absolute keys ``[J*bs, (J+1)*bs)``) and averages over the R row
 row's first valid key), and the average runs over the sampled rows that see a key (padding queries see none;
 a block of only padding queries gets mass 0).
 
-Program grid: ``(NQ, head tiles, B*Hkv)``. One program = one query block of one KV group and ``HPT`` query heads
-of that group (``cdiv(Hq/Hkv, HPT)`` head tiles per group; usually one), i.e. ``BLOCK_M = HPT * R_PAD`` stacked
-sample rows (row ``m``: head ``m // R_PAD``, sample ``m % R_PAD``; padding rows masked), so every K sub-tile is
-loaded once for all the query heads of the tile (GQA packing) and the dot has at least 16 rows. It walks only the
-key range ``[first key of the window, last query of the block]`` in ``BLOCK_N`` sub-tiles, twice:
+Program grid: ``(cdiv(NQ, QBP), head tiles, B*Hkv)``. One program = ``QBP`` consecutive query blocks of one KV
+group and ``HPT`` query heads of that group (``cdiv(Hq/Hkv, HPT)`` head tiles per group; usually one), i.e.
+``BLOCK_M = QBP * HPT * R_PAD`` stacked sample rows (row ``m``: pair ``g = m // R_PAD`` = query block
+``g // HPT``, head ``g % HPT``; sample ``m % R_PAD``; padding rows masked; up to 64 rows), so every K sub-tile is
+loaded once for all the query heads and query blocks of the program (the estimator reads K ``QBP`` times less
+often than with one query block per program) and the dot has at least 16 rows. It walks the key range
+``[first key of the first block's window, last query of the last block]`` in ``BLOCK_N`` sub-tiles (each row
+masks the keys it cannot see), twice:
 
 1. the online log-sum-exp (base 2: scores are kept in ``log2 e`` units and every exponential is ``exp2``) of
    every sampled row over its causal(+window) keys;
 2. per key block ``J``: ``sum_j exp2(s_j - L_row)`` = the row's exact softmax mass in ``J`` (normalized by the
    row's total from pass 1), then the mean over the R rows of each head (a masked sum, fixed order:
-   deterministic, no atomics), stored to ``mass[b, h, I, J]``.
+   deterministic, no atomics), stored to ``mass[b, h, I, J]`` (0 where block ``I`` cannot see ``J``).
 
 Recomputing the scores in pass 2 (instead of keeping each row's per-block log-sum-exps in an O(rows·NK) scratch
 buffer and renormalizing) costs one more Q·K over the sampled rows only (~1/64 of dense causal attention's
@@ -68,32 +71,34 @@ def _bfla_estimate_kernel(
     smb, smh, smq, smk,
     HKV, REP, SQ, SKV, q_offset, window, R, scale, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr, QBP: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = HPT * R_PAD
-    qblk = tl.program_id(0)
+    GROUPS: tl.constexpr = QBP * HPT  # (query block, head) pairs of the program
+    BLOCK_M: tl.constexpr = GROUPS * R_PAD
+    qblk0 = tl.program_id(0) * QBP
     tile = tl.program_id(1)
     pid_bh = tl.program_id(2)
     b = pid_bh // HKV
     hkv = pid_bh % HKV
 
     offs_m = tl.arange(0, BLOCK_M)
-    head = tile * HPT + offs_m // R_PAD  # head inside the KV group
+    group = offs_m // R_PAD  # row m: query block qblk0 + group // HPT, head group % HPT, sample m % R_PAD
+    head = tile * HPT + group % HPT  # head inside the KV group
     samp = offs_m % R_PAD
-    row_ok = (samp < R) & (head < REP)
-    start = qblk * BLOCK_SIZE
-    length = tl.minimum(SQ - start, BLOCK_SIZE)
+    start = (qblk0 + group // HPT) * BLOCK_SIZE
+    length = tl.minimum(SQ - start, BLOCK_SIZE)  # <= 0 past the last query block
+    row_ok = (samp < R) & (head < REP) & (length > 0)
     row = start + ((2 * samp + 1) * length) // (2 * R)
-    row = tl.where(row_ok, row, start)
+    row = tl.where(row_ok, row, 0)
     hq = hkv * REP + tl.where(row_ok, head, 0)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + b * sqb + hq[:, None] * sqh + row[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_abs = row + q_offset
-    q_first = start + q_offset
-    q_last = start + length - 1 + q_offset  # < SKV
+    q_first = qblk0 * BLOCK_SIZE + q_offset
+    q_last = tl.minimum(SQ, (qblk0 + QBP) * BLOCK_SIZE) - 1 + q_offset  # < SKV
     k_base = K + b * skb + hkv * skh
     fv = _first_valid(FV, b, HAS_PAD)
 
@@ -113,13 +118,15 @@ def _bfla_estimate_kernel(
         m_i = m_new
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)
 
-    # pass 2: per key block, each row's softmax mass there; mean over the sampled rows of every head that see a key
-    heads = tl.arange(0, HPT)
-    head_of_row = offs_m // R_PAD
-    pick = (head_of_row[None, :] == heads[:, None]) & row_ok[None, :]  # (HPT, BLOCK_M)
+    # pass 2: per key block, each row's softmax mass there; mean over the sampled rows of every (query block, head)
+    # that see a key. Key blocks a query block cannot see get 0 (their rows' scores are all masked).
+    groups = tl.arange(0, GROUPS)
+    pick = (group[None, :] == groups[:, None]) & row_ok[None, :]  # (GROUPS, BLOCK_M)
     n_live = tl.maximum(tl.sum(tl.where(pick & (l_i > 0.0)[None, :], 1.0, 0.0), 1), 1.0)  # R without padding
-    out_ok = tile * HPT + heads < REP
-    out_base = MASS + b * smb + (hkv * REP + tile * HPT + heads) * smh + qblk * smq
+    out_q = qblk0 + groups // HPT
+    out_h = tile * HPT + groups % HPT
+    out_ok = (out_h < REP) & (out_q * BLOCK_SIZE < SQ)
+    out_base = MASS + b * smb + (hkv * REP + out_h) * smh + out_q * smq
     for j in range(k_first // BLOCK_SIZE, q_last // BLOCK_SIZE + 1):
         kstart = j * BLOCK_SIZE
         n_lo, n_hi = _key_span(kstart, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
@@ -128,21 +135,24 @@ def _bfla_estimate_kernel(
             s = _masked_scores(q, k_base, kstart + n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok,
                                q_abs, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC)
             acc += tl.sum(tl.exp2(s - lse[:, None]), 1)  # masked keys: exp2(-inf) = 0
-        per_head = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / n_live
-        tl.store(out_base + j * smk, per_head, mask=out_ok)
+        per_group = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / n_live
+        tl.store(out_base + j * smk, per_group, mask=out_ok)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def estimate_tiles(rep: int, rows_per_block: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
-    """(R_PAD, HPT, BLOCK_N): sample rows padded to a power of two, query heads per program (``HPT * R_PAD`` rows,
-    at least 16 for the dot, at most 64 unless R alone is more), key sub-tile."""
+def estimate_tiles(rep: int, rows_per_block: int, block_size: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(R_PAD, HPT, QBP, BLOCK_N): sample rows padded to a power of two; query heads per program (at most 64 rows
+    ``HPT * R_PAD`` unless R alone is more); query blocks per program (``QBP``, filling the program up to 64 stacked
+    rows, at most 8: each K sub-tile is then read once for them all; at least 16 rows for the dot); key sub-tile."""
     r_pad = _pow2(rows_per_block)
-    hpt = max(1, 16 // r_pad, min(_pow2(rep), 64 // r_pad))
+    hpt = max(1, min(_pow2(rep), 64 // r_pad))
+    qbp = min(8, max(1, 64 // (hpt * r_pad)))  # at most 8: the causal triangle a program computes in excess
+    hpt = max(hpt, 16 // (r_pad * qbp))  # tl.dot needs 16 rows (extra heads are masked)
     bn = min(64 if _pow2(head_dim) <= 128 else 32, block_size)
-    return r_pad, hpt, bn
+    return r_pad, hpt, qbp, bn
 
 
 def triton_estimate_rows(
@@ -171,14 +181,14 @@ def triton_estimate_rows(
     mass = torch.zeros((b, hq, nq, nk), dtype=torch.float32, device=q.device)
     if mass.numel() == 0:
         return mass
-    r_pad, hpt, bn = estimate_tiles(rep, r, bs, d)
-    grid = (nq, triton.cdiv(rep, hpt), b * hkv)
+    r_pad, hpt, qbp, bn = estimate_tiles(rep, r, bs, d)
+    grid = (triton.cdiv(nq, qbp), triton.cdiv(rep, hpt), b * hkv)
     _bfla_estimate_kernel[grid](
         q, k, mass, mass if first_valid is None else first_valid.contiguous(),
         *q.stride(), *k.stride(), *mass.stride(),
         hkv, rep, sq, skv, skv - sq, int(sliding_window or 0), r, float(scale), float(softcap or 1.0),
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), HAS_PAD=first_valid is not None,
-        DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, BLOCK_N=bn, HEAD_DIM=d,
+        DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, QBP=qbp, BLOCK_N=bn, HEAD_DIM=d,
         D_PAD=max(16, _pow2(d)), num_warps=4, num_stages=2,
     )
     return mass

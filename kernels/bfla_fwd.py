@@ -156,12 +156,14 @@ def fwd_tiles(group: int, block_size: int, head_dim: int, on_cuda: bool,
               block_m: int | None = None, block_n: int | None = None) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, HPT)`` of the forward for ``group`` query heads per KV head.
 
-    A program stacks ``HPT*BLOCK_M`` rows, at most 128 on CUDA (64 for head_dim > 128, and 64 in the
-    interpreter). ``HPT`` = the group size rounded up to a power of two, capped so that ``BLOCK_M`` stays >= 16
-    (larger groups are split over several head tiles); ``BLOCK_M`` = the rows left per head (at most
-    ``block_size``). An explicit ``block_m`` is kept as the per-head query tile and ``HPT`` fits the cap around it.
+    A program stacks ``HPT*BLOCK_M`` rows: at most 128 for head_dim <= 64 on CUDA, else 64 (measured on an H200
+    by ``benchmarks/tune_bfla_gpu.py``, bf16, 32k tokens, GQA 4, densities 1 and 0.3: at head_dim 128, 64 rows
+    are 11-14 % faster than 128; at 64, 128 rows are 6 % faster than 64; at 256 only 64 rows were measured).
+    ``HPT`` = the group size rounded up to a power of two, capped so that ``BLOCK_M`` stays >= 16 (larger groups
+    are split over several head tiles); ``BLOCK_M`` = the rows left per head (at most ``block_size``). An
+    explicit ``block_m`` is kept as the per-head query tile and ``HPT`` fits the cap around it.
     """
-    max_rows = 128 if on_cuda and head_dim <= 128 else 64
+    max_rows = 128 if on_cuda and head_dim <= 64 else 64
     bn = block_n or min(64 if head_dim <= 128 else 32, block_size)
     hpt_full = triton.next_power_of_2(group)
     if block_m:
@@ -175,16 +177,18 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int,
-                first_valid=None, num_warps: int | None = None, num_stages: int = 2):
+                first_valid=None, num_warps: int | None = None, num_stages: int | None = None):
     """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse).
-    ``first_valid (B,)``: left padding (None: none); ``num_warps`` None: by tile size."""
+    ``first_valid (B,)``: left padding (None: none); ``num_warps`` / ``num_stages`` None: the measured defaults."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(sq, bm), b * hkv, triton.cdiv(hq // hkv, hpt))
     if num_warps is None:
-        num_warps = 8 if (hpt * bm >= 128 and d >= 128) else 4
+        num_warps = 4  # H200 sweep: 4 warps beat 8 at every measured tile and head_dim
+    if num_stages is None:
+        num_stages = 3 if d <= 64 else 2  # 3 stages: +6 % at head_dim 64, slower at 128/256
     _bfla_fwd_kernel[grid](
         q, k, v, o, lse, counts, ids, counts if first_valid is None else first_valid.contiguous(),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(),

@@ -207,10 +207,11 @@ def test_fwd_tile_rules():
     from hf_sparse_attn.kernels.bfla_fwd import fwd_tiles
 
     # (group, block_size, head_dim, on_cuda, block_m, block_n) -> (BLOCK_M, BLOCK_N, HPT)
-    assert fwd_tiles(1, 128, 128, True) == (128, 64, 1)
+    assert fwd_tiles(1, 128, 128, True) == (64, 64, 1)
     assert fwd_tiles(3, 128, 64, True) == (32, 64, 4)
-    assert fwd_tiles(8, 128, 128, True) == (16, 64, 8)
-    assert fwd_tiles(16, 128, 128, True) == (16, 64, 8)
+    assert fwd_tiles(8, 128, 128, True) == (16, 64, 4)
+    assert fwd_tiles(16, 128, 128, True) == (16, 64, 4)
+    assert fwd_tiles(1, 128, 64, True) == (128, 64, 1)
     assert fwd_tiles(4, 128, 256, True) == (16, 32, 4)
     assert fwd_tiles(2, 16, 64, True) == (16, 16, 2)
     assert fwd_tiles(8, 128, 64, False) == (16, 64, 4)
