@@ -464,6 +464,24 @@ def test_flex_backend_equals_masked_dense(softcap, window):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fv", [(0, 300), (130, 0)], ids=["row1-padded", "row0-padded"])
+def test_flex_backend_takes_left_padding(fv, monkeypatch):
+    """A left-padded batch through flex equals the masked dense reference over the same plan; padding queries give
+    zeros; chunked prefill (offset 70) with the first valid key off the block grid."""
+    calls = []
+    flex = bfla.sparse_attention_flex
+    monkeypatch.setattr(bfla, "sparse_attention_flex", lambda *a, **kw: calls.append(1) or flex(*a, **kw))
+    q, k, v = _qkv(b=2, hq=4, hkv=2, sq=700, skv=770, d=16, seed=5)
+    cfg = _cfg(block_size=128, keep_mass=0.3, backend="flex", sink=1, local=0, dense_last_blocks=0)
+    with torch.no_grad():
+        out, plan = bfla.bfla_attention(q, k, v, scale=0.25, config=cfg, first_valid=torch.tensor(fv))
+        ref, _ = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 128, plan.first_valid)
+    assert calls and plan.first_valid is not None and bfla.plan_density(plan).mean() < 1
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for row, first in enumerate(fv):
+        assert (out[row, :, : max(0, first - 70)] == 0).all()
+
+
 def test_flex_backend_trains_through_the_gather_path_on_cpu():
     q, k, v = _qkv(hq=4, hkv=2, sq=300, skv=340, d=16, grad=True, seed=3)
     flex, plan = bfla.bfla_attention(q, k, v, scale=0.25, config=_cfg(block_size=128, backend="flex"))
