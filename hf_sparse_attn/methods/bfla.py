@@ -252,12 +252,14 @@ def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window, first_valid=None
         if first_valid is not None:
             keep = keep & (k_pos >= first_valid.view(-1, 1, 1, 1, 1))  # (B,1,1,n*r,L)
         s.masked_fill_(~keep, float("-inf"))
-        if (jhi - jlo) * bs != k1 - k0:
-            s = F.pad(s, (0, (jhi - jlo) * bs - (k1 - k0)), value=float("-inf"))
-        # block log-masses of every sampled row, normalized over the row: exact softmax mass per key block
-        lse = torch.logsumexp(s.unflatten(-1, (jhi - jlo, bs)), dim=-1)  # (B,Hkv,rep,n*r,nblocks)
-        pb = torch.softmax(lse, dim=-1).nan_to_num_(0.0).view(b, hq, n, r, jhi - jlo)
-        live = lse.amax(-1).isfinite().view(b, hq, n, r, 1)  # sampled rows that see a key (padding queries don't)
+        # exact softmax mass per key block of every sampled row: exp(s - row max) summed per block, over the row's
+        # total (three passes over the scores; masked keys give exp(-inf) = 0)
+        top = s.amax(-1, keepdim=True)
+        s.sub_(top.nan_to_num(0.0, neginf=0.0)).exp_()
+        pb = _block_sum(s, k1 - k0, bs)  # (B,Hkv,rep,n*r,nblocks)
+        total = pb.sum(-1, keepdim=True)
+        pb = (pb / total.clamp_min(1e-30)).view(b, hq, n, r, jhi - jlo)
+        live = (total > 0).view(b, hq, n, r, 1)  # sampled rows that see a key (padding queries don't)
         pb = pb.sum(3) / live.sum(3).clamp_min(1)
         out.append(F.pad(pb, (jlo, nk - jhi)))
     return torch.cat(out, dim=2)
