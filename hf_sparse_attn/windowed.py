@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .masks import LeftPadding
+from .methods.base import shape_cached
 
 # Query rows per chunk: ``min(MAX_ROWS, max(MIN_ROWS, W))`` (measured, see the module docstring).
 MAX_ROWS = 128
@@ -124,10 +125,10 @@ def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_s
     Returns a :class:`~hf_sparse_attn.methods.bfla.BflaPlan` with ``counts (B,Hkv,NQ)`` and ``ids (B,Hkv,NQ,NK)``
     (the same for every batch row and head); no host sync.
     """
-    from .methods.bfla import BflaPlan, block_valid, compact
+    from .methods.bfla import BflaPlan, block_valid
 
     valid = block_valid(sq, skv, block_size, window, device)
-    counts, ids = compact(valid)
+    counts, ids = _band_lists(sq, skv, window, block_size, device)
     shape = (batch, kv_heads)
     return BflaPlan(
         counts.expand(*shape, *counts.shape).contiguous(),
@@ -136,6 +137,14 @@ def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_s
         block_size,
         skv - sq,
     )
+
+
+@shape_cached
+def _band_lists(sq: int, skv: int, window: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts (NQ,), ids (NQ,NK)) of the band's tiles, shared by the sliding layers of a prefill."""
+    from .methods.bfla import block_valid, compact
+
+    return compact(block_valid(sq, skv, block_size, window, device))
 
 
 def band_density(sq: int, skv: int, window: int) -> float:

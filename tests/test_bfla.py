@@ -489,3 +489,23 @@ def test_flex_backend_trains_through_the_gather_path_on_cpu():
     assert torch.equal(flex, gather)
     flex.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+def test_shape_masks_are_built_once_and_usable_after_inference_mode():
+    """block_valid / the rescue mask are memoized per shape (each layer of a prefill reuses them), equal a fresh
+    build, and are normal tensors even when first built under inference_mode (training can use them later)."""
+    from hf_sparse_attn.methods.bfla import _block_valid, _rescue_static
+
+    _block_valid.cache_clear()
+    with torch.inference_mode():
+        a = bfla.block_valid(300, 420, 32, 100, "cpu")
+    b = bfla.block_valid(300, 420, 32, 100, torch.device("cpu"))
+    assert a is b and not a.is_inference()
+    assert torch.equal(a, _block_valid.__wrapped__(300, 420, 32, 100, "cpu"))
+    cfg = _cfg(block_size=32, sink=2, local=1, dense_last_blocks=1)
+    r = bfla.rescue_mask(300, 420, cfg, "cpu")
+    assert r is bfla.rescue_mask(300, 420, cfg, "cpu")
+    assert torch.equal(r, _rescue_static.__wrapped__(300, 420, 32, 1, 1, 2, "cpu"))
+    fv = torch.tensor([0, 150])  # per-row sink on top of the shared part
+    rp = bfla.rescue_mask(300, 420, cfg, "cpu", fv)
+    assert torch.equal(rp[0, 0], r) and rp[1, 0, :, 4:6].all() and not rp[1, 0, :-1, :2].any()

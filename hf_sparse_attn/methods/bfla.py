@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..masks import LeftPadding
-from .base import LayerState, Method, MethodConfig, check_choice, check_range, log_once
+from .base import LayerState, Method, MethodConfig, check_choice, check_range, log_once, shape_cached
 from .dense import METHOD as DENSE
 from .dense import dense_attention
 
@@ -161,7 +161,13 @@ def _query_spans(sq: int, skv: int, bs: int, device) -> tuple[torch.Tensor, torc
 
 
 def block_valid(sq: int, skv: int, bs: int, sliding_window: int | None, device) -> torch.Tensor:
-    """(NQ, NK) bool: key block J holds a key that some query of block I may attend (causal + window)."""
+    """(NQ, NK) bool: key block J holds a key that some query of block I may attend (causal + window).
+    Shared between calls (:func:`shape_cached`): do not modify it in place."""
+    return _block_valid(sq, skv, bs, sliding_window, device)
+
+
+@shape_cached
+def _block_valid(sq: int, skv: int, bs: int, sliding_window: int | None, device) -> torch.Tensor:
     q_first, q_last = _query_spans(sq, skv, bs, device)
     k_first = torch.arange(_cdiv(skv, bs), device=device) * bs
     k_last = torch.clamp(k_first + bs, max=skv) - 1
@@ -457,20 +463,30 @@ def rescue_mask(sq: int, skv: int, config: BflaConfig, device, first_valid: torc
 
     With left padding (``first_valid (B,)``) the sink is per batch row, the ``sink`` key blocks from the block of
     the row's first valid key on: ``(B,1,NQ,NK)``. The local band and the last query blocks are absolute."""
+    if first_valid is None:
+        return _rescue_static(sq, skv, config.block_size, config.local, config.dense_last_blocks, config.sink, device)
     bs = config.block_size
+    forced = _rescue_static(sq, skv, bs, config.local, config.dense_last_blocks, 0, device)
+    if config.sink > 0:
+        kb = torch.arange(forced.shape[1], device=device)
+        first = first_valid.to(device).view(-1, 1, 1, 1) // bs
+        forced = forced | ((kb >= first) & (kb < first + config.sink))
+    return forced
+
+
+@shape_cached
+def _rescue_static(sq: int, skv: int, bs: int, local: int, dense_last: int, sink: int, device) -> torch.Tensor:
+    """(NQ, NK) bool: local band, dense last query blocks and (without padding) the sink blocks."""
     nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
     kb = torch.arange(nk, device=device)
     forced = torch.zeros(nq, nk, dtype=torch.bool, device=device)
-    if config.local >= 0:
+    if local >= 0:
         q_first, q_last = _query_spans(sq, skv, bs, device)
-        lo = q_first // bs - config.local
-        hi = q_last // bs
-        forced |= (kb[None, :] >= lo[:, None]) & (kb[None, :] <= hi[:, None])
-    if config.dense_last_blocks > 0:
-        forced[max(0, nq - config.dense_last_blocks) :] = True
-    if config.sink > 0:
-        first = 0 if first_valid is None else first_valid.to(device).view(-1, 1, 1, 1) // bs
-        forced = forced | ((kb >= first) & (kb < first + config.sink))
+        forced |= (kb[None, :] >= (q_first // bs - local)[:, None]) & (kb[None, :] <= (q_last // bs)[:, None])
+    if dense_last > 0:
+        forced[max(0, nq - dense_last) :] = True
+    if sink > 0:
+        forced |= kb[None, :] < sink
     return forced
 
 
