@@ -119,11 +119,12 @@ def windowed_attention(
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
-def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_size: int, device):
+def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_size: int, device, first_valid=None):
     """The band as BFLA tile lists: every key tile that intersects the window of some query of the query tile.
 
     Returns a :class:`~hf_sparse_attn.methods.bfla.BflaPlan` with ``counts (B,Hkv,NQ)`` and ``ids (B,Hkv,NQ,NK)``
-    (the same for every batch row and head); no host sync.
+    (the same for every batch row and head); no host sync. ``first_valid (B,)``: left padding, carried by the plan
+    (the kernels mask each row's padded keys; tiles of padding only cost a masked pass).
     """
     from .methods.bfla import BflaPlan, block_valid
 
@@ -136,6 +137,7 @@ def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_s
         valid,
         block_size,
         skv - sq,
+        first_valid,
     )
 
 
@@ -163,10 +165,13 @@ def band_attention_triton(
     softcap: float | None,
     sliding_window: int,
     block_size: int = 128,
+    first_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window softmax attention through the bfla Triton kernels over :func:`band_plan` (CUDA; the custom op
-    carries the backward). ``q (B,Hq,Sq,D)``, ``k/v (B,Hkv,Skv,D)``, bottom-right causal, no padding."""
+    carries the backward). ``q (B,Hq,Sq,D)``, ``k/v (B,Hkv,Skv,D)``, bottom-right causal; ``first_valid (B,)``:
+    left padding (keys before it are masked; padding queries give zeros, as in dense)."""
     from .kernels.bfla_fwd import bfla_sparse_attention
 
-    plan = band_plan(q.shape[0], k.shape[1], q.shape[2], k.shape[2], sliding_window, block_size, q.device)
+    fv = None if first_valid is None else first_valid.to(device=q.device, dtype=torch.long)
+    plan = band_plan(q.shape[0], k.shape[1], q.shape[2], k.shape[2], sliding_window, block_size, q.device, fv)
     return bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)

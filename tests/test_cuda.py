@@ -97,3 +97,28 @@ def test_training_grads_on_cuda_match_cpu(model_type, method, config):
     for name, g in grads["cpu"].items():
         scale = max(1.0, g.abs().max().item())
         assert _max_diff(grads["cuda"][name], g) <= 2e-4 * scale, name
+
+
+def test_left_padded_sliding_prefill_takes_the_triton_band_on_cuda(monkeypatch):
+    """A left-padded batch on tiny Gemma 3: its sliding layers run the bfla kernels over the band with the padding
+    (not the CPU chunk path), and the logits of the real tokens equal the unpatched model's."""
+    from hf_sparse_attn import windowed
+
+    model = _model("gemma3_text", torch.float32)
+    ids = _ids(n=300, batch=2)
+    am = torch.ones_like(ids)
+    am[1, :57] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am).logits
+    calls = []
+    band = windowed.band_attention_triton
+    monkeypatch.setattr(
+        windowed, "band_attention_triton", lambda *a, **kw: calls.append(kw.get("first_valid")) or band(*a, **kw)
+    )
+    handle = patch_model(model, method="dense")
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=am).logits
+    handle.remove()
+    assert calls and all(c is not None for c in calls)
+    real = am.bool()
+    assert _max_diff(got[real], ref[real]) <= TOL[torch.float32] * max(1.0, ref.abs().max().item())

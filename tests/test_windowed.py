@@ -209,23 +209,33 @@ needs_kernel = pytest.mark.skipif(
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
-    "b,hq,hkv,sq,skv,window,softcap", [(1, 4, 2, 70, 70, 20, 0.0), (2, 2, 1, 45, 109, 30, 4.0)]
+    "b,hq,hkv,sq,skv,window,softcap,pad",
+    [
+        (1, 4, 2, 70, 70, 20, 0.0, None),
+        (2, 2, 1, 45, 109, 30, 4.0, None),
+        (2, 4, 2, 70, 70, 20, 0.0, (0, 37)),  # left padding: row 1's first 37 queries are padding
+        (2, 2, 1, 45, 109, 30, 4.0, (5, 80)),  # chunked prefill (offset 64) + padding, softcap
+    ],
 )
-def test_band_kernel_matches_dense(b, hq, hkv, sq, skv, window, softcap, dtype):
+def test_band_kernel_matches_dense(b, hq, hkv, sq, skv, window, softcap, pad, dtype):
     from hf_sparse_attn.kernels.bfla_bwd import triton_bwd
     from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
 
     device = "cuda" if ON_CUDA else "cpu"
     g = torch.Generator().manual_seed(sq)
     q, k, v = (torch.randn(b, h, s, 16, generator=g).to(device, dtype) for h, s in ((hq, sq), (hkv, skv), (hkv, skv)))
-    plan = windowed.band_plan(b, hkv, sq, skv, window, 16, device)
-    o, lse = triton_fwd(q, k, v, plan.counts, plan.ids, 0.25, softcap, window, 16, block_m=16, block_n=16)
+    fv = None if pad is None else torch.tensor(pad, device=device)
+    plan = windowed.band_plan(b, hkv, sq, skv, window, 16, device, fv)
+    o, lse = triton_fwd(q, k, v, plan.counts, plan.ids, 0.25, softcap, window, 16, block_m=16, block_n=16,
+                        first_valid=plan.first_valid)
     qf, kf, vf = (t.float().requires_grad_(True) for t in (q, k, v))
-    ref = dense_attention(qf, kf, vf, None, scale=0.25, softcap=softcap or None, sliding_window=window)
+    mask = None if pad is None else LeftPadding(torch.tensor(pad), sq, skv)
+    ref = dense_attention(qf, kf, vf, mask, scale=0.25, softcap=softcap or None, sliding_window=window)
     tol = 2e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(o.float(), ref, atol=tol, rtol=tol)
     do = torch.randn_like(o)
-    got = triton_bwd(do, q, k, v, o, lse, plan.counts, plan.ids, 0.25, softcap, window, 16, block_m=16, block_n=16)
+    got = triton_bwd(do, q, k, v, o, lse, plan.counts, plan.ids, 0.25, softcap, window, 16, block_m=16, block_n=16,
+                     first_valid=plan.first_valid)
     want = torch.autograd.grad(ref, (qf, kf, vf), do.float())
     for a, r in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), r, atol=4 * tol, rtol=4 * tol)
@@ -239,4 +249,4 @@ def test_band_kernels_interpreted():
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "band_kernel_matches"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "4 passed" in r.stdout, r.stdout[-2000:]
+    assert "8 passed" in r.stdout, r.stdout[-2000:]

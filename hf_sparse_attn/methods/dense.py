@@ -83,12 +83,21 @@ def dense_attention(
 
 
 def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer):
-    """The method: :func:`dense_attention`; an unpadded sliding-window prefill on CUDA runs the bfla Triton kernel
-    over the band's tiles instead (exact, band cost; ``hf_sparse_attn.windowed``)."""
-    if sliding_window is not None and causal and mask is None and q.shape[2] > 1 and _triton_band_ok(q):
+    """The method: :func:`dense_attention`; a sliding-window prefill on CUDA (unpadded or left-padded) runs the bfla
+    Triton kernel over the band's tiles instead (exact, band cost; ``hf_sparse_attn.windowed``)."""
+    padded = isinstance(mask, LeftPadding)
+    if sliding_window is not None and causal and (mask is None or padded) and q.shape[2] > 1 and _triton_band_ok(q):
         from ..windowed import band_attention_triton
 
-        return band_attention_triton(q, k, v, scale=scale, softcap=softcap, sliding_window=int(sliding_window))
+        return band_attention_triton(
+            q,
+            k,
+            v,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=int(sliding_window),
+            first_valid=mask.first_valid if padded else None,
+        )
     return dense_attention(q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window)
 
 
