@@ -509,3 +509,25 @@ def test_shape_masks_are_built_once_and_usable_after_inference_mode():
     fv = torch.tensor([0, 150])  # per-row sink on top of the shared part
     rp = bfla.rescue_mask(300, 420, cfg, "cpu", fv)
     assert torch.equal(rp[0, 0], r) and rp[1, 0, :, 4:6].all() and not rp[1, 0, :-1, :2].any()
+
+
+@pytest.mark.parametrize("sq,skv", [(300, 300), (236, 300), (263, 300)], ids=["prefill", "aligned-offset", "offset"])
+def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
+    """Batch 1 without autograd on CPU (the split path): mask-free flash over the fully visible tiles, the diagonal
+    tile through flash's own causal mask when it is aligned with the query block, else an explicit softmax."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    causal_calls = []
+
+    class Spy:
+        def __call__(self, *a, **kw):
+            causal_calls.append(a[4])
+            return flash(*a, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", Spy())
+    q, k, v = _qkv(hq=6, hkv=2, sq=sq, skv=skv, d=16, seed=7)
+    with torch.no_grad():
+        out, plan = bfla.bfla_attention(q, k, v, scale=0.25, config=_cfg(block_size=32, keep_mass=0.5))
+    ref, _ = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 32)
+    assert bfla.plan_density(plan).mean() < 1
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert any(causal_calls) == ((skv - sq) % 32 == 0)  # the diagonal shortcut runs exactly when aligned

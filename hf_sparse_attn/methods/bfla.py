@@ -620,7 +620,15 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
         parts.append((o1[0, 0].float(), l1[0, 0]))
     else:
         part_ids = ids_i
-    if part_ids.numel():
+    if part_ids.numel() == 1 and not softcap and sliding_window is None and int(part_ids[0]) * bs == q_first >= fv:
+        # the one partial tile is the diagonal tile aligned with the query block (prefill from position 0 of a
+        # block): top-left causal inside it, so flash attention's own causal mask is exact there
+        kk, vv = k_h[q_first : q_first + rows], v_h[q_first : q_first + rows]
+        o2, l2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qq[None], kk.expand(1, rep, rows, d), vv.expand(1, rep, rows, d), 0.0, True, scale=scale
+        )
+        parts.append((o2[0].reshape(rep * rows, d).float(), l2[0].reshape(rep * rows)))
+    elif part_ids.numel():
         kk = kb_h.index_select(0, part_ids).reshape(-1, d)
         vv = vb_h.index_select(0, part_ids).reshape(-1, d)
         k_pos = (part_ids[:, None] * bs + torch.arange(bs)).reshape(-1)
