@@ -82,7 +82,7 @@ class BflaConfig(MethodConfig):
       tracks the density the head needs: heads above 0.8 (e.g. most of layer 0) need 75–90 % of the blocks, where
       the sparse path is slower than dense and saves nothing, so the whole KV head runs densely (exact).
     * ``min_seq_len=3072``: measured CPU attention-op speed-up over dense SDPA (1 thread, estimate + sparse):
-      1.34× at 4k (density 0.47), 1.42× at 8k (0.39; 10 layers), 2.83× at 16k (0.24; 5 layers, Q/K beyond
+      1.70× at 4k (density 0.47), 1.98× at 8k (0.39; 10 layers), 3.03× at 16k (0.24; 5 layers, Q/K beyond
       SmolLM2's 8k context). At 4k the rescue floor (sink + local band + last block) is already ~15 % of the
       tiles and the gain is small; below it the per-block overhead makes the sparse path no faster than dense.
       The threshold sits under 4k so that prompts of a "4k" budget (≈ 3.9k tokens) take the sparse path.
