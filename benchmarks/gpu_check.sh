@@ -3,7 +3,8 @@
 # Usage: OUT=/some/dir bash benchmarks/gpu_check.sh      (run from the repository root; ~5 min on one H200)
 # Each section writes its own JSON/log into a work folder; a failing section is recorded and the script goes on.
 # At the end everything is packed into $OUT/gpu_check.tgz and $OUT/summary.txt (the device tool returns at most
-# 8 files). Optional input: gpu_inputs/qk_*.safetensors (real Q/K, see benchmarks/bench_bfla_gpu_real.py).
+# 8 files). Optional input: gpu_inputs/qk_*.safetensors (real Q/K: `bench_bfla_gpu_real.py export`; git-ignored, so
+# the device tool needs carry=["gpu_inputs"]).
 set -u
 OUT="${OUT:-$(pwd)/gpu_out}"
 mkdir -p "$OUT"
