@@ -230,9 +230,11 @@ def greedy_decode(
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    from hf_sparse_attn.compat import cache_kwargs
+
+    cached = cache_kwargs(model, DynamicCache(config=model.config))
     t0 = time.perf_counter()
-    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=input_ids, **cached, use_cache=True, logits_to_keep=1).logits
     prefill_s = time.perf_counter() - t0
     measured = after_prefill() if after_prefill is not None else None
     out: list[int] = []
@@ -241,7 +243,7 @@ def greedy_decode(
         if nxt in eos_ids:
             break
         out.append(nxt)
-        logits = model(input_ids=torch.tensor([[nxt]], device=input_ids.device), cache=cache, use_cache=True).logits
+        logits = model(input_ids=torch.tensor([[nxt]], device=input_ids.device), **cached, use_cache=True).logits
     return out, prefill_s, measured
 
 

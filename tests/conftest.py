@@ -1,4 +1,5 @@
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -12,3 +13,26 @@ import torch  # noqa: E402
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# Triton 3.6's interpreter fails on loop bounds computed from tensors (`range(lo, tl.minimum(...))`: "only
+# 0-dimensional arrays can be converted to Python scalars"); 3.7 and later run the kernels. Compiled on a GPU, 3.6 is
+# fine (the gpu extra asks for >= 3.6).
+INTERPRETER_MIN_TRITON = (3, 7)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter: runs Triton kernels under TRITON_INTERPRET=1 (triton >= 3.7)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("interpreter") is None:
+        return
+    import triton
+
+    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    if version < INTERPRETER_MIN_TRITON:
+        pytest.skip(
+            f"triton {triton.__version__}: its interpreter cannot run these kernels (tensor loop bounds); "
+            f"the interpreted kernel tests need triton >= {'.'.join(map(str, INTERPRETER_MIN_TRITON))}"
+        )

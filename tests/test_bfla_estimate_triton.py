@@ -194,6 +194,7 @@ def test_build_plan_no_sync_cuda(pad):
     assert torch.equal(plan.counts, ref.counts) and torch.equal(plan.ids, ref.ids)
 
 
+@pytest.mark.interpreter
 def test_estimate_kernels_under_interpreter():
     """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
     if INTERPRET or ON_CUDA:

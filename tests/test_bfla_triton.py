@@ -265,6 +265,7 @@ def test_custom_ops_cpu_opcheck(pad):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_kernels_under_interpreter():
     """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
     if INTERPRET or ON_CUDA:

@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from hf_sparse_attn import patch_model
+from hf_sparse_attn.compat import cache_kwargs
 from hf_sparse_attn.functional import sparse_attention
 from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import entmax as E
@@ -254,8 +255,8 @@ def test_prefill_equals_token_by_token_decode(arch, method):
     handle = patch_model(model, method=method, **METHOD_KW[method])
     with torch.no_grad():
         full = model(input_ids=ids).logits
-        cache = DynamicCache(config=model.config)
-        steps = [model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(ids.shape[1])]
+        cache = cache_kwargs(model, DynamicCache(config=model.config))
+        steps = [model(input_ids=ids[:, i : i + 1], **cache, use_cache=True).logits for i in range(ids.shape[1])]
     step = torch.cat(steps, dim=1)
     assert (full - step).abs().max() < 1e-4
     out = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False, pad_token_id=0)

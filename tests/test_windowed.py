@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_sparse_attn import integration, patch_model, windowed
+from hf_sparse_attn.compat import cache_kwargs
 from hf_sparse_attn.integration import run_method
 from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import get_method
@@ -141,9 +142,9 @@ def _scenarios(model, ids, am):
     with torch.no_grad():
         r["prefill"] = model(input_ids=ids[:1]).logits
         r["padded"] = model(input_ids=ids, attention_mask=am).logits[am.bool()]
-        cache = DynamicCache(config=model.config)
-        r["chunk_1"] = model(input_ids=ids[:1, :23], cache=cache, use_cache=True).logits
-        r["chunk_2"] = model(input_ids=ids[:1, 23:], cache=cache, use_cache=True).logits
+        cache = cache_kwargs(model, DynamicCache(config=model.config))
+        r["chunk_1"] = model(input_ids=ids[:1, :23], **cache, use_cache=True).logits
+        r["chunk_2"] = model(input_ids=ids[:1, 23:], **cache, use_cache=True).logits
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     r["generate"] = model.generate(ids[:1], **gen)
     r["generate_padded"] = model.generate(ids, attention_mask=am, **gen)
@@ -241,6 +242,7 @@ def test_band_kernel_matches_dense(b, hq, hkv, sq, skv, window, softcap, pad, dt
         torch.testing.assert_close(a.float(), r, atol=4 * tol, rtol=4 * tol)
 
 
+@pytest.mark.interpreter
 def test_band_kernels_interpreted():
     """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
     if INTERPRET or ON_CUDA:
