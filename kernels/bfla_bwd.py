@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _first_valid, _key_span, _tanh, _visible, tile_sizes
+from .bfla_fwd import _dot_prec, _first_valid, _key_span, _tanh, _visible, compiled_on_cuda, tile_sizes
 
 
 @triton.jit
@@ -175,7 +175,7 @@ def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_s
     ``first_valid (B,)``: left padding (None: none)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    bm, bn = tile_sizes(block_size, d)
+    bm, bn = tile_sizes(block_size, d, compiled_on_cuda(q))
     bm, bn = block_m or bm, block_n or bn
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1).contiguous()

@@ -145,11 +145,16 @@ def _bfla_fwd_kernel(
     tl.store(LSE + (b * HQ + hq) * SQ + offs_m, lse, mask=row_ok)
 
 
-def tile_sizes(block_size: int, head_dim: int) -> tuple[int, int]:
+def compiled_on_cuda(q: torch.Tensor) -> bool:
+    """True when the kernels run compiled on a GPU (not on CPU tensors under ``TRITON_INTERPRET=1``)."""
+    return q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def tile_sizes(block_size: int, head_dim: int, on_cuda: bool) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of the backward kernels: both divide ``block_size``."""
     if head_dim > 128:
         return min(64, block_size), min(32, block_size)
-    return min(128 if torch.cuda.is_available() else 64, block_size), min(64, block_size)
+    return min(128 if on_cuda else 64, block_size), min(64, block_size)
 
 
 def fwd_tiles(group: int, block_size: int, head_dim: int, on_cuda: bool,
@@ -205,8 +210,7 @@ def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, 
     """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse).
     ``block_m`` / ``block_n`` override the per-head query tile / key sub-tile (see :func:`fwd_tiles`);
     ``first_valid (B,)``: left padding."""
-    on_cuda = q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    bm, bn, hpt = fwd_tiles(q.shape[1] // k.shape[1], block_size, q.shape[-1], on_cuda, block_m, block_n)
+    bm, bn, hpt = fwd_tiles(q.shape[1] // k.shape[1], block_size, q.shape[-1], compiled_on_cuda(q), block_m, block_n)
     return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt, first_valid)
 
 

@@ -24,9 +24,9 @@ import torch
 import hf_sparse_attn.kernels.bfla_bwd as bwd
 import hf_sparse_attn.kernels.bfla_fwd as fwd
 
-tiles = fwd.fwd_tiles
-fwd.fwd_tiles = lambda g, bs, d, on_cuda, bm=None, bn=None: tiles(g, bs, d, True, bm, bn)
-bwd.tile_sizes = lambda bs, d: (min(64, bs), min(32, bs)) if d > 128 else (min(128, bs), min(64, bs))
+fwd_tiles, bwd_tiles = fwd.fwd_tiles, bwd.tile_sizes
+fwd.fwd_tiles = lambda g, bs, d, on_cuda, bm=None, bn=None: fwd_tiles(g, bs, d, True, bm, bn)
+bwd.tile_sizes = lambda bs, d, on_cuda: bwd_tiles(bs, d, True)
 
 
 def load(path):
