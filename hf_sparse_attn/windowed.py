@@ -27,6 +27,7 @@ import torch
 
 from .masks import LeftPadding
 from .methods.base import shape_cached
+from .tiles import BflaPlan, block_valid, compact
 
 # Query rows per chunk: ``min(MAX_ROWS, max(MIN_ROWS, W))`` (measured, see the module docstring).
 MAX_ROWS = 128
@@ -122,12 +123,10 @@ def windowed_attention(
 def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_size: int, device, first_valid=None):
     """The band as BFLA tile lists: every key tile that intersects the window of some query of the query tile.
 
-    Returns a :class:`~hf_sparse_attn.methods.bfla.BflaPlan` with ``counts (B,Hkv,NQ)`` and ``ids (B,Hkv,NQ,NK)``
+    Returns a :class:`~hf_sparse_attn.tiles.BflaPlan` with ``counts (B,Hkv,NQ)`` and ``ids (B,Hkv,NQ,NK)``
     (the same for every batch row and head); no host sync. ``first_valid (B,)``: left padding, carried by the plan
     (the kernels mask each row's padded keys; tiles of padding only cost a masked pass).
     """
-    from .methods.bfla import BflaPlan, block_valid
-
     valid = block_valid(sq, skv, block_size, window, device)
     counts, ids = _band_lists(sq, skv, window, block_size, device)
     shape = (batch, kv_heads)
@@ -144,8 +143,6 @@ def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_s
 @shape_cached
 def _band_lists(sq: int, skv: int, window: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts (NQ,), ids (NQ,NK)) of the band's tiles, shared by the sliding layers of a prefill."""
-    from .methods.bfla import block_valid, compact
-
     return compact(block_valid(sq, skv, block_size, window, device))
 
 

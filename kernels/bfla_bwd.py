@@ -209,7 +209,7 @@ def bfla_bwd(
     first_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``bfla_fwd`` -> (dq, dk, dv), contiguous. CPU: the PyTorch reference formulas."""
-    from ..methods.bfla import reference_sparse_bwd
+    from ..methods.bfla.reference import reference_sparse_bwd
 
     dq, dk, dv = reference_sparse_bwd(do, q, k, v, counts, ids, scale, softcap, window, block_size, first_valid)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -226,7 +226,7 @@ def bfla_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention over the listed tiles -> (o (B,Hq,Sq,D) contiguous, lse (B,Hq,Sq) fp32).
     ``softcap=0`` / ``window=0`` mean none; ``first_valid (B,)`` = left padding. CPU: the PyTorch reference."""
-    from ..methods.bfla import reference_sparse_fwd
+    from ..methods.bfla.reference import reference_sparse_fwd
 
     return reference_sparse_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, first_valid)
 

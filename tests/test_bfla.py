@@ -470,7 +470,7 @@ def test_flex_backend_takes_left_padding(fv, monkeypatch):
     zeros; chunked prefill (offset 70) with the first valid key off the block grid."""
     calls = []
     flex = bfla.sparse_attention_flex
-    monkeypatch.setattr(bfla, "sparse_attention_flex", lambda *a, **kw: calls.append(1) or flex(*a, **kw))
+    monkeypatch.setattr(bfla.dispatch, "sparse_attention_flex", lambda *a, **kw: calls.append(1) or flex(*a, **kw))
     q, k, v = _qkv(b=2, hq=4, hkv=2, sq=700, skv=770, d=16, seed=5)
     cfg = _cfg(block_size=128, keep_mass=0.3, backend="flex", sink=1, local=0, dense_last_blocks=0)
     with torch.no_grad():
@@ -494,7 +494,8 @@ def test_flex_backend_trains_through_the_gather_path_on_cpu():
 def test_shape_masks_are_built_once_and_usable_after_inference_mode():
     """block_valid / the rescue mask are memoized per shape (each layer of a prefill reuses them), equal a fresh
     build, and are normal tensors even when first built under inference_mode (training can use them later)."""
-    from hf_sparse_attn.methods.bfla import _block_valid, _rescue_static
+    from hf_sparse_attn.methods.bfla.select import _rescue_static
+    from hf_sparse_attn.tiles import _block_valid
 
     _block_valid.cache_clear()
     with torch.inference_mode():

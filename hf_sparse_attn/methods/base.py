@@ -17,6 +17,17 @@ import torch
 
 logger = logging.getLogger("hf_sparse_attn")
 
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # head dims the Triton kernels are built for (others: exact fallback)
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels import (Triton installed and the kernel modules load)."""
+    try:
+        from ..kernels import bfla_fwd  # noqa: F401
+    except Exception:  # pragma: no cover - triton missing or kernel import error
+        return False
+    return True
+
 
 @dataclass
 class MethodConfig:

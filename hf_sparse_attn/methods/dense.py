@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..masks import LeftPadding, to_bool_mask
-from .base import Method, MethodConfig, log_once
+from .base import TRITON_HEAD_DIMS, Method, MethodConfig, log_once, triton_available
 
 # Query rows per chunk of the explicit-score path, bounded so a chunk's scores stay ~256 MB in fp32.
 _SCORE_BUDGET = 64 * 1024 * 1024
@@ -105,9 +105,7 @@ def _triton_band_ok(q: torch.Tensor) -> bool:
     """CUDA, a head_dim the bfla kernels support, and Triton importable (else the masked SDPA path, logged)."""
     if not q.is_cuda:
         return False
-    from .bfla import TRITON_HEAD_DIMS, _triton_available
-
-    if q.shape[-1] not in TRITON_HEAD_DIMS or not _triton_available():
+    if q.shape[-1] not in TRITON_HEAD_DIMS or not triton_available():
         log_once(f"dense: sliding-window layer with head_dim {q.shape[-1]} on CUDA runs masked SDPA (no Triton band)")
         return False
     return True

@@ -1,0 +1,194 @@
+"""CPU sparse attention: per query block, gather the kept K/V blocks, exact softmax over them (differentiable)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...masks import LeftPadding
+from ...tiles import BflaPlan, _cdiv, _token_keep, valid_rows
+from ..dense import dense_attention
+
+
+def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scale, softcap, sliding_window, fv=0):
+    """No-grad fast path for one query block of one KV head (batch 1): the kept key blocks entirely visible to
+    every query of the block go through mask-free SDPA (with its LSE), the few blocks that need a mask (diagonal,
+    window edge, sequence end, left padding before key ``fv``) through an explicit softmax; the two are merged
+    with their log-sum-exps.
+
+    ``qq (rep, rows, D)``, ``ids_i (n,)`` kept ids ascending. Returns ``(rep, rows, D)``.
+    """
+    rep, rows, d = qq.shape
+    k_first = ids_i * bs
+    k_last = k_first + bs - 1
+    full = (k_last <= q_first) & (k_first >= fv)
+    if sliding_window is not None:
+        full &= k_first > int(q_pos[-1]) - sliding_window
+    full_ids, part_ids = ids_i[full], ids_i[~full]
+    q2 = qq.reshape(1, 1, rep * rows, d)
+    parts = []
+    if full_ids.numel() and not softcap:
+        nf = full_ids.numel()
+        first = int(full_ids[0])
+        if int(full_ids[-1]) - first == nf - 1:  # contiguous run: a view, no copy
+            kk, vv = k_h[first * bs : (first + nf) * bs], v_h[first * bs : (first + nf) * bs]
+        else:
+            kk = kb_h.index_select(0, full_ids).reshape(nf * bs, d)
+            vv = vb_h.index_select(0, full_ids).reshape(nf * bs, d)
+        o1, l1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q2, kk[None, None], vv[None, None], 0.0, False, scale=scale
+        )
+        parts.append((o1[0, 0].float(), l1[0, 0]))
+    else:
+        part_ids = ids_i
+    if part_ids.numel() == 1 and not softcap and sliding_window is None and int(part_ids[0]) * bs == q_first >= fv:
+        # the one partial tile is the diagonal tile aligned with the query block (prefill from position 0 of a
+        # block): top-left causal inside it, so flash attention's own causal mask is exact there
+        kk, vv = k_h[q_first : q_first + rows], v_h[q_first : q_first + rows]
+        o2, l2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qq[None], kk.expand(1, rep, rows, d), vv.expand(1, rep, rows, d), 0.0, True, scale=scale
+        )
+        parts.append((o2[0].reshape(rep * rows, d).float(), l2[0].reshape(rep * rows)))
+    elif part_ids.numel():
+        kk = kb_h.index_select(0, part_ids).reshape(-1, d)
+        vv = vb_h.index_select(0, part_ids).reshape(-1, d)
+        k_pos = (part_ids[:, None] * bs + torch.arange(bs)).reshape(-1)
+        allowed = _token_keep(q_pos, k_pos, sliding_window) & ((k_pos < skv) & (k_pos >= fv))[None, :]  # (rows, L)
+        ct = torch.promote_types(qq.dtype, torch.float32)
+        sc = torch.matmul(q2[0, 0].to(ct), kk.to(ct).T) * scale  # (rep*rows, L)
+        if softcap:
+            sc = softcap * torch.tanh(sc / softcap)
+        sc = sc.view(rep, rows, -1).masked_fill_(~allowed, float("-inf")).view(rep * rows, -1)
+        l2 = torch.logsumexp(sc, dim=-1)
+        p = torch.exp(sc - l2[:, None]).nan_to_num_(0.0)
+        parts.append((torch.matmul(p, vv.to(ct)), l2))
+    if len(parts) == 1:
+        o, lse = parts[0]
+    else:
+        (o1, l1), (o2, l2) = parts
+        lse = torch.logaddexp(l1, l2)
+        o = o1 * torch.exp(l1 - lse)[:, None].nan_to_num_(0.0) + o2 * torch.exp(l2 - lse)[:, None].nan_to_num_(0.0)
+    o = torch.where(torch.isfinite(lse)[:, None], o, torch.zeros_like(o))
+    return o.reshape(rep, rows, d).to(qq.dtype)
+
+
+def sparse_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BflaPlan,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Exact attention restricted to the plan's kept tiles (any device; reads the lists on the host).
+
+    Differentiable w.r.t. q, k, v (plain autograd through gather + SDPA / explicit softmax). Without autograd
+    (inference) on CPU with batch 1, a faster split path runs (:func:`_attend_split`). Left padding
+    (``plan.first_valid``): keys ``j < first_valid[b]`` are masked. Rows that see no key (padding queries, or
+    ``local=-1``) give zeros.
+    """
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    bs = plan.block_size
+    nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
+    off = skv - sq
+    counts = plan.counts.cpu()
+    ids = plan.ids.cpu().long()
+    fv = None if plan.first_valid is None else plan.first_valid.cpu()
+    if nk * bs != skv:
+        kp, vp = F.pad(k, (0, 0, 0, nk * bs - skv)), F.pad(v, (0, 0, 0, nk * bs - skv))
+    else:
+        kp, vp = k, v
+    kb, vb = kp.unflatten(2, (nk, bs)), vp.unflatten(2, (nk, bs))  # (B,Hkv,NK,bs,D)
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    fast = not need_grad and b == 1 and q.device.type == "cpu"
+    inner = torch.arange(bs)
+    bidx = torch.arange(b)[:, None]
+    n_valid = valid_rows(plan.valid, sq, skv, bs, plan.first_valid).sum(-1).to(torch.int32).cpu().view(-1, nq)
+    pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
+    heads = []
+    for h in range(hkv):
+        if bool((counts[:, h] == n_valid).all()):  # a dense head (flat fallback, keep-all): one exact SDPA call
+            heads.append(
+                dense_attention(
+                    q[:, h * rep : (h + 1) * rep],
+                    k[:, h : h + 1],
+                    v[:, h : h + 1],
+                    pad_mask,
+                    scale=scale,
+                    causal=True,
+                    softcap=softcap,
+                    sliding_window=sliding_window,
+                )
+            )
+            continue
+        pieces = []
+        for i in range(nq):
+            r0, r1 = i * bs, min(sq, (i + 1) * bs)
+            q_pos = torch.arange(r0, r1) + off
+            qq = q[:, h * rep : (h + 1) * rep, r0:r1]
+            cnt = counts[:, h, i]
+            n = int(cnt.max())
+            if n == 0:  # only padding queries (left padding): no key for any row
+                pieces.append(torch.zeros_like(qq))
+                continue
+            if fast:
+                o = _attend_split(
+                    qq[0],
+                    kb[0, h],
+                    vb[0, h],
+                    k[0, h],
+                    v[0, h],
+                    ids[0, h, i, :n],
+                    bs,
+                    skv,
+                    r0 + off,
+                    q_pos,
+                    scale,
+                    softcap,
+                    sliding_window,
+                    0 if fv is None else int(fv[0]),
+                )
+                pieces.append(o[None])
+                continue
+            idx = ids[:, h, i, :n]  # (B,n)
+            first = int(idx[0, 0]) if n else 0
+            contiguous = bool((cnt == n).all()) and bool((idx == first + torch.arange(n)).all())
+            if contiguous:
+                kk = k[:, h : h + 1, first * bs : min((first + n) * bs, skv)]
+                vv = v[:, h : h + 1, first * bs : min((first + n) * bs, skv)]
+                k_pos = torch.arange(first * bs, first * bs + kk.shape[2])[None].expand(b, -1)
+            else:
+                kk = kb[:, h][bidx, idx].reshape(b, 1, n * bs, d)
+                vv = vb[:, h][bidx, idx].reshape(b, 1, n * bs, d)
+                k_pos = (idx[..., None] * bs + inner).reshape(b, n * bs)
+            allowed = k_pos[:, None, :] <= q_pos[None, :, None]  # (B,rows,L)
+            if sliding_window is not None:
+                allowed &= k_pos[:, None, :] > q_pos[None, :, None] - sliding_window
+            if fv is not None:
+                allowed &= k_pos[:, None, :] >= fv[:, None, None]
+            if not contiguous:
+                slot_ok = (torch.arange(n)[None, :] < cnt[:, None]).repeat_interleave(bs, dim=1)
+                allowed &= (k_pos < skv)[:, None, :] & slot_ok[:, None, :]
+            empty = ~allowed.any(-1)  # (B,rows)
+            has_empty = bool(empty.any())
+            if has_empty:
+                allowed[..., 0] |= empty
+            mask = None if bool(allowed.all()) else allowed[:, None].to(q.device)
+            if softcap:
+                ct = torch.promote_types(qq.dtype, torch.float32)
+                s = torch.matmul(qq, kk.transpose(-1, -2)).to(ct) * scale
+                s = softcap * torch.tanh(s / softcap)
+                if mask is not None:
+                    s = s.masked_fill(~mask, float("-inf"))
+                o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv)
+            else:
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
+            if has_empty:
+                o = o.masked_fill(empty[:, None, :, None].to(o.device), 0.0)
+            pieces.append(o)
+        heads.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(heads, dim=1) if len(heads) > 1 else heads[0]

@@ -1,0 +1,100 @@
+"""``BflaConfig``: bfla's options, their validation and the measurements behind the defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base import MethodConfig, check_choice, check_range, triton_available
+
+ESTIMATORS = ("rows", "pooled", "antidiag")
+BACKENDS = ("auto", "torch", "triton", "flex")
+_BIG = 1 << 30
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer in [{low}, {high}]")
+    check_range(name, value, low, high)
+
+
+@dataclass
+class BflaConfig(MethodConfig):
+    """Configuration of ``bfla``. Defaults measured with ``benchmarks/bench_bfla_cpu.py`` on Q/K/V captured from
+    SmolLM2-135M-Instruct at 8k tokens (all 30 layers; 9 query / 3 KV heads, head_dim 64):
+
+    * ``estimator="rows"``, ``rows_per_block=4``: the exact softmax of 4 strided query rows per query block
+      against all causal keys, summed per key block (block log-sum-exps), i.e. an unbiased sample of the true
+      block mass, so ``keep_mass`` means what it says. Against the oracle (exact block masses, smallest set
+      reaching 95 %, union over the GQA group) it gives the oracle's density (0.373 vs 0.381 mean over layers)
+      while keeping 97 % of the true mass (the oracle keeps ≥ 95 % per query head; the union adds the rest).
+      ``pooled`` (mean query of the block) under-selects (density 0.27, only 93 % of the mass kept, 77 % in the
+      worst layer); ``antidiag`` (XAttention-style, stride 16) keeps only 80 % of the mass on average. 4 rows
+      match 8 rows within 0.01 density in most layers at half the cost (≈4 % of dense SDPA time at 8k); 2 rows
+      lose mass in sharp layers (93 %).
+    * ``keep_mass=0.95``: calibrated, see above.
+    * ``block_size=128``: the estimate, the lists and the kernel tile share one grid; 128 amortizes the per-block
+      work of the CPU path (one SDPA call per query block and KV head) and matches the GPU kernel's tiles.
+    * ``sink=1``, ``local=1``: the first key block and the key blocks overlapping the query block's positions plus
+      one block back are always kept (attention sinks and local context; ≈ 3 blocks per row).
+    * ``dense_last_blocks=1``: the last query block produces the next token; it is computed densely.
+    * ``flat_entropy=0.8``: measured per head, the mean normalized entropy of the estimated block distribution
+      tracks the density the head needs: heads above 0.8 (e.g. most of layer 0) need 75–90 % of the blocks, where
+      the sparse path is slower than dense and saves nothing, so the whole KV head runs densely (exact).
+    * ``min_seq_len=3072``: measured CPU attention-op speed-up over dense SDPA (1 thread, estimate + sparse):
+      1.70× at 4k (density 0.47), 1.98× at 8k (0.39; 10 layers), 3.03× at 16k (0.24; 5 layers, Q/K beyond
+      SmolLM2's 8k context). At 4k the rescue floor (sink + local band + last block) is already ~15 % of the
+      tiles and the gain is small; below it the per-block overhead makes the sparse path no faster than dense.
+      The threshold sits under 4k so that prompts of a "4k" budget (≈ 3.9k tokens) take the sparse path.
+
+    Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
+    this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
+    ``antidiag`` estimator), ``backend`` ("auto": Triton on CUDA, the PyTorch gather path elsewhere; "flex":
+    torch ``flex_attention`` compiled with a ``BlockMask`` built from the same lists — compiles once, on first use).
+    Every rescue can be switched off: ``sink=0``, ``local=-1``, ``dense_last_blocks=0``, ``flat_entropy=1.0``.
+    """
+
+    block_size: int = 128
+    keep_mass: float = 0.95
+    min_blocks: int = 1
+    max_density: float = 1.0
+    sink: int = 1
+    local: int = 1
+    dense_last_blocks: int = 1
+    flat_entropy: float = 0.8
+    min_seq_len: int = 3072
+    estimator: str = "rows"
+    rows_per_block: int = 4
+    antidiag_stride: int = 16
+    backend: str = "auto"
+
+    def validate(self) -> None:
+        check_choice("block_size", self.block_size, (16, 32, 64, 128, 256))
+        check_range("keep_mass", self.keep_mass, 0.0, 1.0, low_open=True)
+        _check_int("min_blocks", self.min_blocks, 0, _BIG)
+        check_range("max_density", self.max_density, 0.0, 1.0, low_open=True)
+        _check_int("sink", self.sink, 0, _BIG)
+        _check_int("local", self.local, -1, _BIG)
+        _check_int("dense_last_blocks", self.dense_last_blocks, 0, _BIG)
+        check_range("flat_entropy", self.flat_entropy, 0.0, 1.0)
+        _check_int("min_seq_len", self.min_seq_len, 0, _BIG)
+        check_choice("estimator", self.estimator, ESTIMATORS)
+        _check_int("rows_per_block", self.rows_per_block, 1, self.block_size)
+        check_choice("antidiag_stride", self.antidiag_stride, (1, 2, 4, 8, 16, 32, 64))
+        if self.antidiag_stride > self.block_size:
+            raise ValueError(
+                f"antidiag_stride={self.antidiag_stride!r} is out of range; "
+                f"allowed: at most block_size={self.block_size}"
+            )
+        check_choice("backend", self.backend, BACKENDS)
+
+
+def use_triton(q: torch.Tensor, config: BflaConfig) -> bool:
+    """Whether this call runs the Triton kernels: ``backend="triton"``, or ``"auto"`` on CUDA with Triton."""
+    if config.backend in ("torch", "flex"):
+        return False
+    if config.backend == "triton":
+        return True
+    return q.is_cuda and triton_available()

@@ -1,0 +1,106 @@
+"""bfla's dispatch: when the sparse path runs (else the exact dense path), which backend, and per-layer stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...masks import LeftPadding
+from ...tiles import BflaPlan, valid_rows
+from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
+from ..dense import METHOD as DENSE
+from .attend_cpu import sparse_attention_cpu
+from .attend_flex import _flex_unsupported, sparse_attention_flex
+from .config import BflaConfig, use_triton
+from .select import build_plan
+
+
+def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None]:
+    """(go_sparse, reason to log once or None when the dense path is expected)."""
+    sq = q.shape[2]
+    if layer is not None and not layer.sparse_eligible:
+        return False, None
+    if sq <= 1 or sq < config.min_seq_len:
+        return False, None
+    if not causal:
+        return False, "bfla: non-causal attention runs the exact dense path"
+    if mask is not None and not isinstance(mask, LeftPadding):  # left padding runs sparse (plan.first_valid)
+        return False, "bfla: an explicit attention mask (bool tensor) runs the exact dense path"
+    if q.is_cuda and config.backend != "torch" and q.shape[-1] not in TRITON_HEAD_DIMS:
+        return False, f"bfla: head_dim {q.shape[-1]} is not supported by the Triton kernel; runs the exact dense path"
+    return True, None
+
+
+def bfla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    config: BflaConfig,
+    first_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, BflaPlan]:
+    """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``. ``first_valid (B,)``:
+    left padding (the first valid key of every batch row), honoured by the plan and every attention path."""
+    plan = build_plan(
+        q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
+    )
+    flex_problem = None
+    if config.backend == "flex":
+        flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window)
+    if flex_problem is not None:
+        log_once(f"bfla: backend='flex' {flex_problem}; using the gather path")
+    if config.backend == "flex" and flex_problem is None:
+        out = sparse_attention_flex(q, k, v, plan, scale=scale)
+    elif use_triton(q, config):
+        from ...kernels.bfla_fwd import bfla_sparse_attention
+
+        out = bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
+    else:
+        out = sparse_attention_cpu(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
+    return out, plan
+
+
+def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer):
+    sparse, reason = _fallback_reason(q, mask, causal, config, layer)
+    if not sparse:
+        if reason is not None:
+            log_once(reason)
+        if layer is not None and layer.sparse_eligible and q.shape[2] > 1:
+            layer.stats = {"dense": True}
+        return DENSE.forward(
+            q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, config=None,
+            layer=None,
+        )
+    fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
+    out, plan = bfla_attention(
+        q, k, v, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
+    )
+    if layer is not None:
+        rvalid = valid_rows(plan.valid, q.shape[2], k.shape[2], plan.block_size, plan.first_valid)
+        layer.stats = {
+            "kept": plan.counts.sum(dim=(0, 2)),  # (Hkv,) summed over the batch
+            "valid": rvalid.expand(plan.counts.shape[0], 1, *plan.valid.shape).sum(),  # per-row valid tiles
+        }
+    return out
+
+
+def layer_stats(state: LayerState) -> dict[str, Any]:
+    """Plain numbers of the last prefill: ``density`` (kept / causal tiles) and ``density_per_head`` (KV heads);
+    None on layers bfla does not sparsify (sliding-window layers: see their ``band_density``)."""
+    st = state.stats
+    if st.get("dense"):
+        return {"density": 1.0, "density_per_head": None}
+    if "kept" not in st:  # no prefill yet, or a layer bfla does not sparsify (e.g. a windowed sliding layer)
+        return {"density": None, "density_per_head": None}
+    valid = float(st["valid"])
+    per_head = [float(x) / valid for x in st["kept"].tolist()]
+    return {"density": sum(per_head) / len(per_head), "density_per_head": per_head}
+
+
+METHOD = Method(
+    name="bfla", config_cls=BflaConfig, forward=_forward, default_layers="eligible", layer_stats=layer_stats
+)
