@@ -9,6 +9,14 @@ import torch
 from ...tiles import BflaPlan, block_valid, tile_token_mask
 
 
+def _grouped_token_mask(q, k, counts, ids, window: int, block_size: int, first_valid) -> torch.Tensor:
+    """``(B,Hkv,1,Sq,Skv)`` bool: the listed tiles ∧ causal ∧ window (``window=0``: none) ∧ not left padding."""
+    sq, skv = q.shape[2], k.shape[2]
+    w = int(window) or None
+    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq, first_valid)
+    return tile_token_mask(plan, sq, skv, w)[:, :, None]
+
+
 def reference_sparse_fwd(
     q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int, first_valid=None
 ):
@@ -16,11 +24,8 @@ def reference_sparse_fwd(
     ``(o (B,Hq,Sq,D), lse (B,Hq,Sq) fp32)``; ``softcap=0``/``window=0`` mean none, ``first_valid (B,)`` masks keys
     ``j < first_valid[b]`` (None: no padding). Rows without keys: o = 0, lse = 0. O(Sq·Skv) memory (tests)."""
     b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    rep = hq // hkv
-    w = int(window) or None
-    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq, first_valid)
-    tm = tile_token_mask(plan, sq, skv, w)[:, :, None]  # (B,Hkv,1,Sq,Skv)
+    hkv, rep = k.shape[1], hq // k.shape[1]
+    tm = _grouped_token_mask(q, k, counts, ids, window, block_size, first_valid)
     ct = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q.reshape(b, hkv, rep, sq, d).to(ct), k.to(ct)[:, :, None].transpose(-1, -2)) * scale
     if softcap:
@@ -40,11 +45,8 @@ def reference_sparse_bwd(
 ):
     """Reference of the ``hf_sparse_attn::bfla_bwd`` op (explicit formulas, no autograd) -> (dq, dk, dv)."""
     b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    rep = hq // hkv
-    w = int(window) or None
-    plan = BflaPlan(counts, ids, block_valid(sq, skv, block_size, w, q.device), block_size, skv - sq, first_valid)
-    tm = tile_token_mask(plan, sq, skv, w)[:, :, None]  # (B,Hkv,1,Sq,Skv)
+    hkv, rep = k.shape[1], hq // k.shape[1]
+    tm = _grouped_token_mask(q, k, counts, ids, window, block_size, first_valid)
     ct = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(b, hkv, rep, sq, d).to(ct)
     kt, vt = k.to(ct)[:, :, None], v.to(ct)[:, :, None]
