@@ -21,11 +21,11 @@ import functools
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from .masks import LeftPadding, hf_sparse_attn_mask
+from .masks import ChunkedCausal, LeftPadding, hf_sparse_attn_mask
 from .methods.base import LayerState, Method, MethodConfig, log_once
 from .methods.dense import METHOD as DENSE
 from .sinks import sink_attention
-from .windowed import band_saves_work, windowed_attention
+from .windowed import band_saves_work, chunked_attention, windowed_attention
 
 ATTN_NAME = "hf_sparse_attn"
 STATE_ATTR = "hf_sparse_attn"
@@ -137,7 +137,9 @@ def run_method(
     ``windowed`` with its ``band_density``)."""
     kwargs = dict(scale=scale, causal=causal, softcap=softcap, config=config)
     attend = method.forward if sinks is None else functools.partial(_sink_forward, sinks=sinks)
-    if _use_band_chunks(q, k, mask, causal, sliding_window):
+    if isinstance(mask, ChunkedCausal) and causal:
+        out = chunked_attention(attend, q, k, v, mask, sliding_window=None, layer=layer, **kwargs)
+    elif _use_band_chunks(q, k, mask, causal, sliding_window):
         out = windowed_attention(attend, q, k, v, mask, sliding_window=int(sliding_window), layer=layer, **kwargs)
     else:
         out = attend(q, k, v, mask, sliding_window=sliding_window, layer=layer, **kwargs)
