@@ -14,7 +14,7 @@ from hf_sparse_attn.masks import ChunkedCausal
 from hf_sparse_attn.methods.base import _LOGGED
 from hf_sparse_attn.methods.dense import dense_attention
 from hf_sparse_attn.models import tiny_model
-from hf_sparse_attn.patches import markdown_table
+from hf_sparse_attn.patches import get_patcher, markdown_table
 from hf_sparse_attn.patches.__main__ import BEGIN, END, replace_table
 from hf_sparse_attn.sinks import sink_attention
 from hf_sparse_attn.tiny_configs import BASE
@@ -243,3 +243,17 @@ def test_readme_table_is_generated_from_the_registry():
     readme = (ROOT / "README.md").read_text()
     assert BEGIN in readme and END in readme
     assert replace_table(readme, table) == readme, "run: python -m hf_sparse_attn.patches --write README.md"
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [t for t in supported_model_types() if "sliding" in get_patcher(t).quirks and t != "qwen3"],
+)
+def test_sliding_window_types_run_the_band_path(model_type):
+    """Every type declared with sliding windows has them in its tiny model (12 tokens > window 4), and they run
+    over the band (``windowed`` in the stats)."""
+    model = tiny_model(model_type)
+    with torch.no_grad(), patch_model(model, method="dense") as handle:
+        model(input_ids=_ids(length=20))
+        windowed = [i for i, s in handle.stats()["layers"].items() if s.get("windowed")]
+        assert windowed and all(not handle.layers[i].sparse_eligible for i in windowed)
