@@ -111,3 +111,17 @@ def matrix_model_types() -> list[str]:
     from .patches import supported_model_types
 
     return [*supported_model_types(), "gemma3"]
+
+
+def missing_classes(model_type: str) -> list[str]:
+    """The config / model classes of ``model_type``'s tiny model that the installed transformers lacks (older
+    releases miss newer architectures: the matrix skips those types there, saying so)."""
+    import transformers
+
+    if model_type in TINY_ZOO:
+        names = TINY_ZOO[model_type][:2]
+    else:
+        from .models import _TINY_CLASSES
+
+        names = _TINY_CLASSES[model_type]
+    return [n for n in names if not hasattr(transformers, n)]
