@@ -12,7 +12,7 @@ import torch
 
 from .integration import ATTN_NAME, STATE_ATTR, register
 from .methods import LayerState, Method, MethodConfig, get_method
-from .patches import get_patcher
+from .patches import has_sinks, select_patcher
 from .windowed import band_density
 
 HANDLE_ATTR = "_hf_sparse_attn_handle"
@@ -48,6 +48,38 @@ def _all_configs(model: torch.nn.Module) -> list:
     return list(seen.values())
 
 
+# Methods that serve layers with learned attention sinks (GPT-OSS ``s_aux``): dense exactly, bfla through the exact
+# dense path (``hf_sparse_attn.integration``). Others are refused at patch time.
+SINK_METHODS = ("dense", "bfla")
+
+
+def _check_model(model: Any) -> torch.nn.Module:
+    """The ``PreTrainedModel`` to patch, or ``TypeError`` naming what ``model`` is and what is expected."""
+    from transformers import PreTrainedModel
+
+    expected = "a transformers PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained), or a PEFT/DDP wrapper"
+    if model is None:
+        raise TypeError(f"model must be {expected}, got None")
+    if not isinstance(model, torch.nn.Module):
+        what = type(model).__name__
+        if hasattr(model, "apply_chat_template") or hasattr(model, "convert_tokens_to_ids"):
+            raise TypeError(f"model must be {expected}, got the tokenizer {what}; pass the model, not its tokenizer")
+        raise TypeError(f"model must be {expected}, got {what}")
+    base = _unwrap(model)
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(f"model must be {expected}, got the torch module {type(base).__name__}")
+    return base
+
+
+def _layer_keys(modules: list) -> list[int]:
+    """``layer_idx`` of each attention module, or its position when they are not distinct layer indices (Zamba 2's
+    shared attention blocks have ``layer_idx=-1``)."""
+    idx = [m.layer_idx for m in modules]
+    if all(isinstance(i, int) and i >= 0 for i in idx) and len(set(idx)) == len(idx):
+        return idx
+    return list(range(len(modules)))
+
+
 def _resolve_layers(layers, method: Method, modules: list, eligible: list[bool]) -> list[int]:
     """Positions in ``modules`` the method is applied to."""
     if layers is None:
@@ -60,7 +92,7 @@ def _resolve_layers(layers, method: Method, modules: list, eligible: list[bool])
         raise ValueError(
             f"layers={layers!r} is not allowed; allowed: None, 'all', 'eligible' or an iterable of layer indices"
         )
-    by_idx = {m.layer_idx: i for i, m in enumerate(modules)}
+    by_idx = {key: i for i, key in enumerate(_layer_keys(modules))}
     chosen = []
     for idx in layers:
         if idx not in by_idx:
@@ -74,18 +106,29 @@ def _resolve_layers(layers, method: Method, modules: list, eligible: list[bool])
 class PatchHandle:
     """A patched model. ``remove()`` restores it exactly; usable as a context manager."""
 
-    def __init__(self, model, method: Method, config: MethodConfig, modules: list, snapshot: list, total_layers: int):
+    def __init__(
+        self,
+        model,
+        method: Method,
+        config: MethodConfig,
+        modules: list,
+        snapshot: list,
+        total_layers: int,
+        attention_layers: float | None = None,
+    ):
         self.model = model
         self.method = method
         self.config = config
         self._modules = modules
         self._snapshot = snapshot
         self._total_layers = total_layers
+        self._attention_layers = len(modules) if attention_layers is None else attention_layers
         self.active = True
 
     @property
     def layers(self) -> dict[int, LayerState]:
-        return {m.layer_idx: getattr(m, STATE_ATTR) for m in self._modules}
+        states = [getattr(m, STATE_ATTR) for m in self._modules]
+        return {s.layer_idx: s for s in states}
 
     def remove(self) -> None:
         """Undo the patch: module state, learned parameters and every config's attention implementation."""
@@ -116,7 +159,9 @@ class PatchHandle:
         return {
             "method": self.method.name,
             "config": self.config.to_dict(),
-            "coverage": len(self._modules) / max(1, self._total_layers),
+            "coverage": self._attention_layers / max(1, self._total_layers),
+            "num_layers": self._total_layers,
+            "attention_modules": len(self._modules),
             "density": sum(densities) / len(densities) if densities else None,
             "layers": layers,
         }
@@ -185,22 +230,29 @@ def patch_model(
     from_pretrained: str | os.PathLike | None = None,
     **method_config: Any,
 ) -> PatchHandle:
-    """Switch a Llama / Gemma / Qwen model's text attention to ``method``.
+    """Switch a causal decoder's text attention to ``method`` (``supported_model_types()`` are verified; another
+    decoder whose attention modules call transformers' attention interface is patched generically, logged once).
 
     ``layers``: None (the method's default: all attention layers, or the full-attention layers for methods that
     approximate), "all", "eligible", or layer indices; other layers stay exact (dense).
     ``from_pretrained``: a folder written by ``PatchHandle.save`` whose learned parameters are restored.
     ``method_config``: validated against the method's config dataclass (``ValueError`` naming a bad key/value).
     Patching a patched model first removes the previous patch.
+    ``TypeError``: ``model`` is not a transformers model (None, a tokenizer, ...). ``NotImplementedError``: the
+    model's attention cannot be served exactly (encoder-decoder / encoder-only, no attention-interface modules,
+    learned sinks with a method that cannot honour them), with the reason.
     """
+    base = _check_model(model)
     m = get_method(method)
     config = m.make_config(**method_config)
-    base = _unwrap(model)
     text_config = base.config.get_text_config()
-    patcher = get_patcher(text_config.model_type)
-    modules = patcher.attention_modules(base)
-    if not modules:
-        raise NotImplementedError(f"found no attention module of {patcher.attention_classes} in {type(base).__name__}")
+    patcher, modules = select_patcher(base)
+    if has_sinks(patcher, modules) and m.name not in SINK_METHODS:
+        raise NotImplementedError(
+            f"method {m.name!r} cannot honour the learned attention sinks (s_aux) of model_type "
+            f"{text_config.model_type!r}: a sink is an extra softmax logit without a value, and an α-entmax "
+            f"distribution with it is a different function; use one of {sorted(SINK_METHODS)}"
+        )
 
     previous = base.__dict__.get(HANDLE_ATTR)
     if previous is not None:
@@ -211,9 +263,10 @@ def patch_model(
     eligible = [patcher.is_sparse_eligible(mod) for mod in modules]
     chosen = _resolve_layers(layers, m, modules, eligible)
     patched_modules = []
+    keys = _layer_keys(modules)
     for i in chosen:
         mod = modules[i]
-        state = LayerState(method=m, config=config, layer_idx=mod.layer_idx, sparse_eligible=eligible[i])
+        state = LayerState(method=m, config=config, layer_idx=keys[i], sparse_eligible=eligible[i])
         if m.init_layer is not None:
             m.init_layer(mod, state)
             if state.params is not None:
@@ -224,7 +277,8 @@ def patch_model(
     is_composite = base.config is not text_config
     base.set_attn_implementation({"text_config": ATTN_NAME} if is_composite else ATTN_NAME)
     total = getattr(text_config, "num_hidden_layers", len(modules))
-    handle = PatchHandle(base, m, config, patched_modules, snapshot, total)
+    attention_layers = patcher.num_attention_layers(text_config, modules) * len(patched_modules) / len(modules)
+    handle = PatchHandle(base, m, config, patched_modules, snapshot, total, attention_layers)
     base.__dict__[HANDLE_ATTR] = handle
     if from_pretrained is not None:
         try:

@@ -9,18 +9,23 @@ passes them. Returns ``(B,Sq,Hq,D)`` contiguous and ``None`` (no attention weigh
 The method and its config are read from the attention module (``module.hf_sparse_attn``, set by ``patch_model``);
 a module without it runs the exact ``dense`` path, so ``attn_implementation="hf_sparse_attn"`` alone is exact.
 Every call goes through :func:`run_method`, which computes sliding-window layers over their band only
-(``hf_sparse_attn.windowed``), whatever the method.
+(``hf_sparse_attn.windowed``), whatever the method. Learned sinks (``s_aux``, GPT-OSS) run the exact
+:func:`~hf_sparse_attn.sinks.sink_attention` (``dense``; ``bfla`` falls back to it, logged once); a v head_dim that
+differs from the q/k head_dim (multi-head latent attention) is zero-padded to it (exact for every method).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from .masks import LeftPadding, hf_sparse_attn_mask
+from .masks import ChunkedCausal, LeftPadding, hf_sparse_attn_mask
 from .methods.base import LayerState, Method, MethodConfig, log_once
 from .methods.dense import METHOD as DENSE
-from .windowed import band_saves_work, windowed_attention
+from .sinks import sink_attention
+from .windowed import band_saves_work, chunked_attention, windowed_attention
 
 ATTN_NAME = "hf_sparse_attn"
 STATE_ATTR = "hf_sparse_attn"
@@ -37,6 +42,7 @@ def hf_sparse_attn_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention function registered with ``AttentionInterface`` (see the module docstring for the contract)."""
@@ -49,11 +55,47 @@ def hf_sparse_attn_forward(
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     state = getattr(module, STATE_ATTR, None)
     method, config = (state.method, state.config) if state is not None else (DENSE, None)
+    if s_aux is not None:
+        method = _sink_method(method, state)
+    query, key, value, dv = _equal_head_dims(query, key, value)
     out = run_method(
         method, config, state, query, key, value, attention_mask,
-        scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window,
+        scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, sinks=s_aux,
     )
+    if dv is not None:
+        out = out[..., :dv]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sink_method(method: Method, state: LayerState | None) -> Method:
+    """The method that serves a layer with learned sinks: ``dense`` (exact); ``bfla`` runs it through ``dense``
+    (logged once); other methods were refused by ``patch_model``."""
+    if method.name == "dense":
+        return method
+    if method.name == "bfla":
+        log_once("bfla: layers with learned attention sinks (s_aux, e.g. GPT-OSS) run the exact dense path")
+        if state is not None:
+            state.stats = {"dense": True}
+        return DENSE
+    raise NotImplementedError(f"method {method.name!r} cannot honour learned attention sinks (s_aux)")
+
+
+def _equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Multi-head latent attention (DeepSeek V3) has v head_dim != q/k head_dim; every method and kernel needs one
+    head_dim, so the smaller side is zero-padded (exact: zero v columns give zero output columns, zero q/k columns
+    add nothing to the scores; ``scaling`` comes from the model). Returns ``(q, k, v, dv or None)``: slice the
+    output to ``dv`` when given."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk == dv:
+        return q, k, v, None
+    log_once(
+        f"hf_sparse_attn: q/k head_dim {dqk} != v head_dim {dv} (multi-head latent attention); the smaller side is "
+        "zero-padded so every method runs it exactly"
+    )
+    if dv < dqk:
+        return q, k, torch.nn.functional.pad(v, (0, dqk - dv)), dv
+    pad = (0, dv - dqk)
+    return torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad), v, None
 
 
 def _use_band_chunks(q: torch.Tensor, k: torch.Tensor, mask, causal: bool, sliding_window: int | None) -> bool:
@@ -86,6 +128,7 @@ def run_method(
     causal: bool,
     softcap: float | None,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one dispatch path (patched layers and the functional API): ``method.forward``, over the band of a
     sliding-window layer (exact, see ``hf_sparse_attn.windowed``). q (B,Hq,Sq,D), k/v (B,Hkv,Skv,D) -> (B,Hq,Sq,D).
@@ -93,15 +136,23 @@ def run_method(
     A windowed prefill records ``layer.stats["window"] = (Sq, Skv, W)`` (shown by ``PatchHandle.stats`` as
     ``windowed`` with its ``band_density``)."""
     kwargs = dict(scale=scale, causal=causal, softcap=softcap, config=config)
-    if _use_band_chunks(q, k, mask, causal, sliding_window):
-        out = windowed_attention(
-            method.forward, q, k, v, mask, sliding_window=int(sliding_window), layer=layer, **kwargs
-        )
+    attend = method.forward if sinks is None else functools.partial(_sink_forward, sinks=sinks)
+    if isinstance(mask, ChunkedCausal) and causal:
+        out = chunked_attention(attend, q, k, v, mask, sliding_window=None, layer=layer, **kwargs)
+    elif _use_band_chunks(q, k, mask, causal, sliding_window):
+        out = windowed_attention(attend, q, k, v, mask, sliding_window=int(sliding_window), layer=layer, **kwargs)
     else:
-        out = method.forward(q, k, v, mask, sliding_window=sliding_window, layer=layer, **kwargs)
+        out = attend(q, k, v, mask, sliding_window=sliding_window, layer=layer, **kwargs)
     if layer is not None and sliding_window is not None and causal and q.shape[2] > 1:
         layer.stats["window"] = (q.shape[2], k.shape[2], int(sliding_window))
     return out
+
+
+def _sink_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer, sinks):
+    """The method-call signature over :func:`~hf_sparse_attn.sinks.sink_attention` (exact dense with sinks)."""
+    return sink_attention(
+        q, k, v, mask, sinks=sinks, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window
+    )
 
 
 def register() -> str:

@@ -7,6 +7,8 @@ The attention function of ``hf_sparse_attn`` receives one of three mask forms (D
   A non-causal caller (``is_causal=False``) with ``None`` attends to every key.
 * :class:`LeftPadding` — the same causal pattern plus per-row left padding, stored as the first valid key index
   of each batch row (O(B) memory instead of O(B·Sq·Skv)). It survives Gemma 4's ``mask[:, :, -n:, :]`` slicing.
+* :class:`ChunkedCausal` — chunked causal attention without padding (Llama 4 chunked layers); the attention
+  function computes it chunk by chunk (each chunk a plain causal call), methods never see it.
 * a bool tensor ``(B|1, 1, Sq, Skv)``, True = attend, which already contains causality, window and padding.
 """
 
@@ -54,6 +56,31 @@ class LeftPadding:
         return LeftPadding(self.first_valid, self.q_len - start, self.kv_len)
 
 
+@dataclass(frozen=True)
+class ChunkedCausal:
+    """Chunked causal attention (Llama 4 ``chunked_attention`` layers) without padding: query ``i`` (absolute position
+    ``kv_start + Skv - Sq + i``) sees the keys ``j <= i_abs`` of its own chunk (``j_abs // chunk == i_abs // chunk``).
+
+    ``kv_start``: absolute position of key 0 (a sliding cache layer keeps only the last keys). The attention function
+    computes it chunk by chunk (``hf_sparse_attn.windowed.chunked_attention``): each chunk is a plain causal call.
+    """
+
+    chunk_size: int
+    kv_start: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (1, 1, self.q_len, self.kv_len)
+
+    def bool_mask(self, device: torch.device | str) -> torch.Tensor:
+        """The same pattern as a bool (1, 1, Sq, Skv) mask."""
+        q_abs = torch.arange(self.q_len, device=device)[:, None] + (self.kv_start + self.kv_len - self.q_len)
+        k_abs = torch.arange(self.kv_len, device=device)[None, :] + self.kv_start
+        return ((k_abs <= q_abs) & (k_abs // self.chunk_size == q_abs // self.chunk_size))[None, None]
+
+
 def causal_bool_mask(
     q_len: int, kv_len: int, sliding_window: int | None = None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -83,6 +110,8 @@ def to_bool_mask(
         k_idx = torch.arange(kv_len, device=device)
         not_pad = k_idx[None, :] >= mask.first_valid.to(device)[:, None]
         return keep & not_pad[:, None, None, :]
+    if isinstance(mask, ChunkedCausal):
+        return mask.bool_mask(device)
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
             raise TypeError(f"attention mask must be bool (True = attend), got dtype {mask.dtype}")
@@ -107,6 +136,15 @@ def _is_plain_causal(mask_function) -> bool:
     names = sorted(getattr(p, "__qualname__", "") for p in parts)
     overlay = "sliding_window_overlay.<locals>.inner_mask"
     return len(parts) == 2 and causal_mask_function in parts and names[1] == overlay
+
+
+def _is_plain_chunked(mask_function) -> bool:
+    """True for HF's chunked causal mask function, ``and_masks(chunked_overlay(C, left_padding), causal)``."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask" or not mask_function.__closure__:
+        return False
+    parts = next((c.cell_contents for c in mask_function.__closure__ if isinstance(c.cell_contents, tuple)), ())
+    names = sorted(getattr(p, "__qualname__", "") for p in parts)
+    return len(parts) == 2 and causal_mask_function in parts and names[1] == "chunked_overlay.<locals>.inner_mask"
 
 
 def _left_padding_starts(pad: torch.Tensor) -> torch.Tensor | None:
@@ -134,12 +172,16 @@ def hf_sparse_attn_mask(
     Returns ``None`` for a plain causal (or sliding-causal) pattern without padding whose keys end at the last
     query, a :class:`LeftPadding` descriptor when the only extra is left padding, else a bool (B,1,Q,K) mask.
     """
-    plain = (
+    aligned = (
         allow_is_causal_skip
         and not isinstance(q_offset, torch.Tensor)  # StaticLayer: keys are a zero-padded buffer
         and kv_offset + kv_length == q_offset + q_length  # keys end at the last query
-        and _is_plain_causal(mask_function)
     )
+    plain = aligned and _is_plain_causal(mask_function)
+    if aligned and local_size and _is_plain_chunked(mask_function):
+        pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if pad is None or (not is_tracing(pad) and bool(pad[:, kv_offset : kv_offset + kv_length].all())):
+            return ChunkedCausal(int(local_size), int(kv_offset), q_length, kv_length)
     if plain:
         pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if pad is None:

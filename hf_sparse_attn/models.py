@@ -265,15 +265,21 @@ def _tiny_text_kwargs(model_type: str) -> dict[str, Any]:
 
 
 def tiny_config(model_type: str):
-    """A tiny ``PretrainedConfig`` for ``model_type`` (one of ``TINY_MODEL_TYPES``).
+    """A tiny ``PretrainedConfig`` for ``model_type`` (one of ``TINY_MODEL_TYPES``, or of the architecture matrix's
+    ``hf_sparse_attn.tiny_configs.TINY_ZOO``).
 
     Text part: hidden 64, 4 query / 2 KV heads of head_dim 16, vocab 128, 2 layers (4 for Gemma 4 and
     the Qwen 3.5 / Qwen3-Next hybrids, whose 4th layer is the only softmax-attention layer).
     ``"gemma3"`` is the vision-language ``Gemma3Config`` (tiny SigLIP tower: 32x32 images, 8x8 patches,
     4 image tokens per image; image token id 127, begin/end-of-image ids 125/126).
     """
+    from .tiny_configs import TINY_ZOO, tiny_zoo_config
+
+    if model_type in TINY_ZOO:
+        return tiny_zoo_config(model_type)
     if model_type not in _TINY_CLASSES:
-        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {TINY_MODEL_TYPES}")
+        known = TINY_MODEL_TYPES + sorted(TINY_ZOO)
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {known}")
     config_cls = _transformers_attr(_TINY_CLASSES[model_type][0])
     if model_type == "gemma3":
         text_cls = _transformers_attr("Gemma3TextConfig")
@@ -307,8 +313,10 @@ def tiny_model(model_type: str, seed: int = 0, attn_implementation: str | None =
     ``N(0, initializer_range)`` so that it matters. ``attn_implementation=None`` keeps transformers'
     default (``sdpa``; ``eager`` for Gemma 2).
     """
+    from .tiny_configs import model_class_name
+
     config = tiny_config(model_type)
-    model_cls = _transformers_attr(_TINY_CLASSES[model_type][1])
+    model_cls = _transformers_attr(model_class_name(model_type))
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .masks import LeftPadding
+from .masks import ChunkedCausal, LeftPadding
 from .methods.base import shape_cached
 from .tiles import BflaPlan, block_valid, compact
 
@@ -172,3 +172,45 @@ def band_attention_triton(
     fv = None if first_valid is None else first_valid.to(device=q.device, dtype=torch.long)
     plan = band_plan(q.shape[0], k.shape[1], q.shape[2], k.shape[2], sliding_window, block_size, q.device, fv)
     return bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
+
+
+def chunk_spans(mask: ChunkedCausal) -> list[tuple[int, int, int, int]]:
+    """``(q0, q1, k0, k1)`` per attention chunk: local query rows ``[q0, q1)`` of one chunk and the key slice
+    ``[k0, k1)`` from the chunk's first key to the rows' last query (bottom-right causal inside the slice)."""
+    off = mask.kv_len - mask.q_len
+    first_abs = mask.kv_start + off  # absolute position of query row 0
+    spans = []
+    q0 = 0
+    while q0 < mask.q_len:
+        chunk = (first_abs + q0) // mask.chunk_size
+        q1 = min(mask.q_len, (chunk + 1) * mask.chunk_size - first_abs)
+        k0 = max(0, chunk * mask.chunk_size - mask.kv_start)
+        spans.append((q0, q1, k0, q1 + off))
+        q0 = q1
+    return spans
+
+
+def chunked_attention(
+    attend: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: ChunkedCausal,
+    *,
+    layer=None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Chunked causal attention (Llama 4) computed chunk by chunk: ``attend`` (a method's attention function) runs
+    once per chunk of queries against its own chunk's keys, with the plain causal mask ``None``. Exact,
+    differentiable; the per-chunk stats are summed. ``q (B,Hq,Sq,D)``, ``k/v (B,Hkv,Skv,D)`` -> ``(B,Hq,Sq,D)``."""
+    total: dict[str, Any] = {}
+    outs = []
+    for q0, q1, k0, k1 in chunk_spans(mask):
+        if layer is not None:
+            layer.stats = {}
+        outs.append(attend(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], None, layer=layer, **kwargs))
+        if layer is not None:
+            _merge_stats(total, layer.stats)
+    if layer is not None:
+        layer.stats = total
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

@@ -246,10 +246,11 @@ def test_bad_method_and_config_errors():
 
 
 def test_unsupported_model_type():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    # GPT-2 (this test's model before the generic patcher) is now verified; a pure-SSM model has no attention at all.
+    from transformers import MambaConfig, MambaForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(NotImplementedError, match=r"'gpt2' is not supported.*llama"):
+    model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4))
+    with pytest.raises(NotImplementedError, match=r"'mamba' is not supported.*llama"):
         patch_model(model, method="dense")
 
 

@@ -1,4 +1,4 @@
-"""Gemma 2 / 3 / 4 (text models and the text towers of the VLMs).
+"""Gemma 1 / 2 / 3 / 4 (text models and the text towers of the VLMs).
 
 Quirks handled by the generic contract: Gemma 2 softcap (passed as ``softcap``; its default implementation is
 ``eager``, restored from the snapshot on unpatch), Gemma scaling (``query_pre_attn_scalar**-0.5``; Gemma 4 uses 1.0 —
@@ -9,8 +9,16 @@ sliding layers stay exact. VLMs are patched through ``text_config`` so vision to
 
 from .base import ArchPatcher
 
-PATCHER = ArchPatcher(
-    family="gemma",
-    model_types=("gemma2", "gemma3_text", "gemma4_text"),
-    attention_classes=("Gemma2Attention", "Gemma3Attention", "Gemma4TextAttention"),
+GEMMA = ArchPatcher(family="gemma", model_types=("gemma",))
+GEMMA2 = ArchPatcher(
+    family="gemma", model_types=("gemma2",), attention_classes=("Gemma2Attention",),
+    quirks=("softcap", "sliding", "scaling"),
+)
+GEMMA3 = ArchPatcher(
+    family="gemma", model_types=("gemma3_text",), attention_classes=("Gemma3Attention",),
+    quirks=("sliding", "scaling", "vlm"),
+)
+GEMMA4 = ArchPatcher(
+    family="gemma", model_types=("gemma4_text",), attention_classes=("Gemma4TextAttention",),
+    quirks=("sliding", "scaling", "kv_shared", "per_layer_head_dim"),
 )

@@ -7,13 +7,21 @@ Qwen 2/3 with ``use_sliding_window`` have sliding layers, which stay exact.
 
 from .base import ArchPatcher
 
-PATCHER = ArchPatcher(
+QWEN = ArchPatcher(
     family="qwen",
-    model_types=(
-        "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
-    ),
-    attention_classes=(
-        "Qwen2Attention", "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention",
-        "Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention",
-    ),
+    model_types=("qwen2", "qwen3"),
+    attention_classes=("Qwen2Attention", "Qwen3Attention"),
+    quirks=("sliding",),
+)
+QWEN_MOE = ArchPatcher(
+    family="qwen",
+    model_types=("qwen2_moe", "qwen3_moe"),
+    attention_classes=("Qwen2MoeAttention", "Qwen3MoeAttention"),
+    quirks=("moe",),
+)
+QWEN_HYBRID = ArchPatcher(
+    family="qwen",
+    model_types=("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
+    attention_classes=("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention"),
+    quirks=("hybrid",),
 )
