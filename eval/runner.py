@@ -437,6 +437,7 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
 
         rows = gather_object(rows)
     if not _is_main(state):
+        _end(state)
         return None
     rows.sort(key=lambda r: (r["length"], r["task"], labels.index(r["method"]), r["sample_id"]))
     config = {**asdict(cfg), "num_processes": world, "method_specs": [asdict(s) for s in specs]}
@@ -444,6 +445,7 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.md").write_text(report.summary_markdown(results))
     report.plot_all(results, out)
+    _end(state)
     return results
 
 
@@ -457,6 +459,15 @@ def _process_state():
 
     state = PartialState(cpu=cpu_only_multiprocess())
     return state if state.num_processes > 1 else None
+
+
+def _end(state) -> None:
+    """Multi-process runs: every process waits for the main one to write the results, then the group is torn down
+    (a rank exiting with a live gloo group can abort in C++ teardown after its work is done)."""
+    if state is not None:
+        from hf_sparse_attn.distributed import end_process_group
+
+        end_process_group()
 
 
 def _is_main(state) -> bool:

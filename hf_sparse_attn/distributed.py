@@ -21,3 +21,17 @@ def cpu_only_multiprocess() -> bool:
     has_accel = getattr(torch, "accelerator", None)
     available = has_accel.is_available() if has_accel is not None else torch.cuda.is_available()
     return not available
+
+
+def end_process_group() -> None:
+    """Wait for every process, then destroy the default process group (no-op when none is up).
+
+    Call it at the end of a multi-process run: a process that exits while gloo's threads still hold a live group
+    can abort in C++ teardown ("terminate called without an active exception") and fail the whole launch after
+    its work was done.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

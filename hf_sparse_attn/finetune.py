@@ -881,6 +881,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     run(args)
+    from hf_sparse_attn.distributed import end_process_group
+
+    end_process_group()
     return 0
 
 
