@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .runner import EvalConfig, parse_method_configs, run_eval
 
@@ -71,10 +72,28 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     )
 
 
+#: Errors of bad input (arguments, data files, missing optional packages): one line on stderr and exit code 2.
+#: Set HF_SPARSE_ATTN_DEBUG=1 to get the traceback instead.
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError)
+
+
+def one_line_error(prog: str, exc: BaseException) -> str:
+    """``"<prog>: error: <message>"`` on one line (multi-line messages are joined with " | ")."""
+    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return f"{prog}: error: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
-    results = run_eval(config_from_args(args))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        results = run_eval(config_from_args(args))
+    except USER_ERRORS as exc:
+        if os.environ.get("HF_SPARSE_ATTN_DEBUG"):
+            raise
+        print(one_line_error(parser.prog, exc), file=sys.stderr)
+        return 2
     if results is not None:
         print((os.path.join(args.out, "summary.md") + ":\n") + open(os.path.join(args.out, "summary.md")).read())
     return 0

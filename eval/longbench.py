@@ -340,10 +340,39 @@ def length_bin(length: int) -> str:
     return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
 
 
+def _check_json_file(path: Path) -> None:
+    """ValueError naming the file and the first bad line when ``path`` is neither JSON lines nor a JSON list."""
+    import json
+
+    with open(path, encoding="utf-8") as fh:
+        head = fh.read(4096).lstrip()
+        fh.seek(0)
+        if head.startswith("["):
+            try:
+                json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not a valid JSON list (line {exc.lineno}: {exc.msg})") from None
+            return
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{path} line {n}: not valid JSON ({exc.msg}); expected one JSON object per line"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path} line {n}: expected a JSON object, got {type(record).__name__}")
+
+
 def _read_json_records(path: Path, required: Sequence[str]) -> list[dict[str, Any]]:
     """Records of a JSON-lines / JSON-list file via ``datasets``' json loader (Arrow cache in a temp folder)."""
     import datasets
 
+    _check_json_file(path)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a local file into a temp cache: no "Generating train split" bar
     with tempfile.TemporaryDirectory(prefix="hf_sparse_attn_longbench_") as cache_dir:
         try:
             ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
@@ -351,6 +380,9 @@ def _read_json_records(path: Path, required: Sequence[str]) -> list[dict[str, An
             raise ValueError(
                 f"{path}: cannot be read as JSON lines / a JSON list ({type(exc).__name__}: {exc})"
             ) from exc
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
         columns = list(ds.column_names)
         records = ds.to_list()
         del ds

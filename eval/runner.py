@@ -202,8 +202,12 @@ def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir:
     if _is_longbench(task):
         from . import longbench
 
-        samples = longbench.load_longbench(task, cfg.longbench_dir, tokenizer=tokenizer, max_length=length)
+        samples = longbench.load_longbench(
+            task, cfg.longbench_dir, tokenizer=tokenizer, max_length=length, chat_template=cfg.chat_template
+        )
         samples = samples[: cfg.samples]
+        for s in samples:  # the token budget the prompt was truncated to (rows and aggregates key on it)
+            s["max_length"] = length
     else:
         samples = ruler.generate_samples(
             task,
