@@ -72,7 +72,8 @@ def _mean(xs):
 
 
 def plot_all(results: dict[str, Any], out: str | Path) -> list[Path]:
-    """Write ``needle_heatmap.png`` (depth × length, one panel per method) and ``score_vs_speedup.png``."""
+    """Write ``needle_heatmap.png`` (depth × length, one panel per method), ``score_vs_speedup.png`` and
+    ``density_vs_score.png`` (:func:`tradeoff_plot` of this run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +81,7 @@ def plot_all(results: dict[str, Any], out: str | Path) -> list[Path]:
     paths = [
         _needle_heatmap(results, out / "needle_heatmap.png"),
         _score_vs_speedup(results, out / "score_vs_speedup.png"),
+        tradeoff_plot([results], out / "density_vs_score.png"),
     ]
     return [p for p in paths if p is not None]
 
@@ -138,3 +140,78 @@ def _score_vs_speedup(results, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _setting(results: dict[str, Any], method: str) -> str:
+    """A short label of a method's settings in one run: ``bfla keep_mass=0.97`` / ``bfla profile=p.json``."""
+    conf = (results.get("config") or {}).get("method_configs", {}).get(method, {})
+    parts = [f"{k}={Path(str(v)).name if k == 'profile' else v}" for k, v in sorted(conf.items())]
+    return " ".join([method, *parts])
+
+
+def tradeoff_points(results_list: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str]]]:
+    """Per length, one ``(density, average score, label)`` point per (run, method): the score averaged over the
+    run's tasks at that length. Dense is taken from the first run that has it."""
+    points: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    seen_dense: set[int] = set()
+    for results in results_list:
+        aggs = results["aggregates"]
+        for length in sorted({a["length"] for a in aggs}):
+            for m in _methods(results):
+                sel = [a for a in aggs if a["method"] == m and a["length"] == length]
+                d, y = _mean([a["density"] for a in sel]), _mean([a["score"] for a in sel])
+                if d is None or y is None or (m == BASELINE and length in seen_dense):
+                    continue
+                if m == BASELINE:
+                    seen_dense.add(length)
+                points[length].append((d, y, _setting(results, m)))
+    return dict(points)
+
+
+def tradeoff_plot(results_list: list[dict[str, Any]], path: str | Path) -> Path | None:
+    """Density vs average score, one curve per length (points of several runs, e.g. one per ``keep_mass``, sorted
+    by density), each point labelled with its setting; dense at density 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = tradeoff_points(results_list)
+    if not points:
+        return None
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for length, pts in sorted(points.items()):
+        pts = sorted(pts)
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{length} tokens")[0]
+        for x, y, label in pts:
+            ax.annotate(label.replace("bfla ", ""), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6,
+                        color=line.get_color())
+    ax.set_xlabel("density (kept fraction of attention tiles)")
+    ax.set_ylabel("average score (0-100)")
+    ax.set_xlim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hf_sparse_attn.eval.report tradeoff RUN/results.json ... --out plot.png``: the density vs score
+    curve over several eval runs (e.g. one per ``--method-config bfla.keep_mass=...``)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m hf_sparse_attn.eval.report", description=main.__doc__)
+    ap.add_argument("mode", choices=["tradeoff"])
+    ap.add_argument("results", nargs="+", help="results.json files of eval runs")
+    ap.add_argument("--out", required=True, help="PNG to write")
+    args = ap.parse_args(argv)
+    runs = [json.loads(Path(p).read_text()) for p in args.results]
+    path = tradeoff_plot(runs, args.out)
+    print(path if path is not None else "no points (no density/score in these results)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

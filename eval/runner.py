@@ -176,6 +176,10 @@ def validate(cfg: EvalConfig) -> list[MethodSpec]:
         from hf_sparse_attn.methods import get_method
 
         get_method(m).make_config(**conf)  # ValueError naming a bad key/value
+        if m == "bfla" and conf.get("profile"):  # a missing / malformed profile fails before any model runs
+            from hf_sparse_attn.methods.bfla.profile import load_profile
+
+            load_profile(conf["profile"])
     if not cfg.tasks:
         raise ValueError("no task given")
     for task in cfg.tasks:

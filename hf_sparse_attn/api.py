@@ -264,15 +264,22 @@ def patch_model(
     chosen = _resolve_layers(layers, m, modules, eligible)
     patched_modules = []
     keys = _layer_keys(modules)
-    for i in chosen:
-        mod = modules[i]
-        state = LayerState(method=m, config=config, layer_idx=keys[i], sparse_eligible=eligible[i])
-        if m.init_layer is not None:
-            m.init_layer(mod, state)
-            if state.params is not None:
-                mod.add_module(_PARAMS_ATTR, state.params)
-        mod.__dict__[STATE_ATTR] = state
-        patched_modules.append(mod)
+    try:
+        for i in chosen:
+            mod = modules[i]
+            state = LayerState(method=m, config=config, layer_idx=keys[i], sparse_eligible=eligible[i])
+            if m.init_layer is not None:
+                m.init_layer(mod, state)
+                if state.params is not None:
+                    mod.add_module(_PARAMS_ATTR, state.params)
+            mod.__dict__[STATE_ATTR] = state
+            patched_modules.append(mod)
+    except Exception:  # e.g. a bad bfla profile found at a later layer: leave the model as it was
+        for mod in patched_modules:
+            mod.__dict__.pop(STATE_ATTR, None)
+            if _PARAMS_ATTR in mod._modules:
+                del mod._modules[_PARAMS_ATTR]
+        raise
 
     is_composite = base.config is not text_config
     base.set_attn_implementation({"text_config": ATTN_NAME} if is_composite else ATTN_NAME)

@@ -1,4 +1,4 @@
-"""Command line: ``hf-sparse-attn {info,demo,eval,bench,finetune,lm-eval}``."""
+"""Command line: ``hf-sparse-attn {info,demo,eval,bench,finetune,calibrate,lm-eval}``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ _SUBCOMMANDS = {
     "demo": "hf_sparse_attn.eval.demo",
     "bench": "hf_sparse_attn.bench",
     "finetune": "hf_sparse_attn.finetune",
+    "calibrate": "hf_sparse_attn.calibrate",
     "lm-eval": "hf_sparse_attn.eval.harness_cli",
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,11 @@ class BflaConfig(MethodConfig):
       tiles and the gain is small; below it the per-block overhead makes the sparse path no faster than dense.
       The threshold sits under 4k so that prompts of a "4k" budget (≈ 3.9k tokens) take the sparse path.
 
+    * ``profile``: a JSON file written by ``hf-sparse-attn calibrate`` (:mod:`.profile`) with a ``keep_mass`` per layer
+      and KV head measured for one model; read when a layer is patched (another model's profile, a missing or
+      malformed file: a clear error). Layers the profile does not list keep ``keep_mass``.
+      ``keep_mass`` may also be a tuple with one value per query head (what a profile gives each layer).
+
     Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
     this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
     ``antidiag`` estimator), ``backend`` ("auto": Triton on CUDA, the PyTorch gather path elsewhere; "flex":
@@ -57,7 +63,7 @@ class BflaConfig(MethodConfig):
     """
 
     block_size: int = 128
-    keep_mass: float = 0.95
+    keep_mass: float | tuple[float, ...] = 0.95
     min_blocks: int = 1
     max_density: float = 1.0
     sink: int = 1
@@ -69,10 +75,16 @@ class BflaConfig(MethodConfig):
     rows_per_block: int = 4
     antidiag_stride: int = 16
     backend: str = "auto"
+    profile: str | None = None
 
     def validate(self) -> None:
         check_choice("block_size", self.block_size, (16, 32, 64, 128, 256))
-        check_range("keep_mass", self.keep_mass, 0.0, 1.0, low_open=True)
+        if isinstance(self.keep_mass, (tuple, list)) and self.keep_mass:
+            for x in self.keep_mass:
+                check_range("keep_mass (per query head)", x, 0.0, 1.0, low_open=True)
+            self.keep_mass = tuple(float(x) for x in self.keep_mass)
+        else:
+            check_range("keep_mass", self.keep_mass, 0.0, 1.0, low_open=True)
         _check_int("min_blocks", self.min_blocks, 0, _BIG)
         check_range("max_density", self.max_density, 0.0, 1.0, low_open=True)
         _check_int("sink", self.sink, 0, _BIG)
@@ -89,6 +101,8 @@ class BflaConfig(MethodConfig):
                 f"allowed: at most block_size={self.block_size}"
             )
         check_choice("backend", self.backend, BACKENDS)
+        if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
+            raise ValueError(f"profile={self.profile!r} is not allowed; allowed: None or the path of a profile JSON")
 
 
 def use_triton(q: torch.Tensor, config: BflaConfig) -> bool:

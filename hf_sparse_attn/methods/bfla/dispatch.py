@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -88,6 +89,31 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
     return out
 
 
+def init_layer(module: torch.nn.Module, state: LayerState) -> None:
+    """With ``profile=path``: give this layer its calibrated per-head ``keep_mass`` (``state.config`` becomes a copy
+    with the layer's values). Errors (missing / malformed file, another model's profile) surface at patch time."""
+    config = state.config
+    if config.profile is None or not state.sparse_eligible:
+        return
+    from .profile import layer_keep_mass, load_profile
+
+    path = str(config.profile)
+    data = load_profile(path)
+    model_config = getattr(module, "config", None)
+    if model_config is None:
+        raise ValueError(
+            f"bfla profile {path!r}: the attention module {type(module).__name__} has no .config, so the profile's "
+            "model cannot be checked; patch without a profile"
+        )
+    hq = model_config.num_attention_heads
+    hkv = getattr(model_config, "num_key_value_heads", None) or hq
+    km = layer_keep_mass(data, path, state.layer_idx, model_config, hkv, hq, config.block_size)
+    if km is None:
+        log_once(f"bfla profile {path!r} has no entry for some patched layers; they use keep_mass={config.keep_mass}")
+        return
+    state.config = dataclasses.replace(config, keep_mass=km)
+
+
 def layer_stats(state: LayerState) -> dict[str, Any]:
     """Plain numbers of the last prefill: ``density`` (kept / causal tiles) and ``density_per_head`` (KV heads);
     None on layers bfla does not sparsify (sliding-window layers: see their ``band_density``)."""
@@ -102,5 +128,10 @@ def layer_stats(state: LayerState) -> dict[str, Any]:
 
 
 METHOD = Method(
-    name="bfla", config_cls=BflaConfig, forward=_forward, default_layers="eligible", layer_stats=layer_stats
+    name="bfla",
+    config_cls=BflaConfig,
+    forward=_forward,
+    default_layers="eligible",
+    init_layer=init_layer,
+    layer_stats=layer_stats,
 )

@@ -12,7 +12,7 @@ from .estimate import estimate_block_mass
 
 def select_by_mass(
     mass: torch.Tensor,
-    keep_mass: float,
+    keep_mass: float | torch.Tensor,
     *,
     min_blocks: int = 1,
     max_density: float = 1.0,
@@ -22,11 +22,21 @@ def select_by_mass(
 
     Ties are broken by block index (stable sort), so the selection is deterministic. ``valid`` (broadcastable)
     limits the candidates; ``max_density`` caps the selection at ``ceil(max_density * valid blocks)``.
+    ``keep_mass``: a float, or one value per query head (a ``(Hq,)`` tensor or sequence, e.g. from a calibrated
+    profile) broadcast over the query heads of ``mass (B,Hq,NQ,NK)``.
     """
     nk = mass.shape[-1]
     if valid is None:
         valid = torch.ones(mass.shape[-2:], dtype=torch.bool, device=mass.device)
-    if keep_mass >= 1.0:
+    per_head = not isinstance(keep_mass, (int, float))
+    if per_head:  # (Hq,) -> (Hq,1,1); heads at 1.0 keep every valid block (below), no host sync
+        keep_mass = torch.as_tensor(keep_mass, dtype=torch.float32, device=mass.device).view(-1, 1, 1)
+        if keep_mass.shape[0] != mass.shape[1]:
+            raise ValueError(
+                f"keep_mass has {keep_mass.shape[0]} per-head values; allowed: a float or one value per query head "
+                f"({mass.shape[1]})"
+            )
+    elif keep_mass >= 1.0:
         return valid.expand(mass.shape).clone()
     vals, order = torch.sort(mass.masked_fill(~valid, -1.0), dim=-1, descending=True, stable=True)
     before = torch.cumsum(vals.clamp_min(0), dim=-1) - vals.clamp_min(0)
@@ -35,8 +45,14 @@ def select_by_mass(
     cap = torch.clamp(torch.ceil(n_valid.to(torch.float32) * max_density).to(n_valid.dtype), min=1)
     take = (before < keep_mass) & (rank < cap)
     take |= rank < min_blocks
+    if per_head:
+        take |= keep_mass >= 1.0
     take &= rank < n_valid
     return torch.zeros_like(take).scatter(-1, order, take)
+
+
+def _as_tuple(keep_mass: float | tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(keep_mass) if isinstance(keep_mass, (tuple, list)) else (keep_mass,)
 
 
 def _union_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -112,7 +128,7 @@ def build_plan(
     fv = None if first_valid is None else first_valid.to(device=q.device, dtype=torch.long)
     rvalid = valid_rows(valid, sq, skv, bs, fv)  # (NQ,NK) or (B,1,NQ,NK)
     with torch.no_grad():
-        if config.keep_mass >= 1.0:
+        if min(_as_tuple(config.keep_mass)) >= 1.0:
             keep = rvalid.expand(q.shape[0], hkv, *valid.shape)
         else:
             mass = estimate_block_mass(
