@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_sparse_attn.methods.entmax.tiles_cpu import TILE, tile_grid
+
 
 @triton.jit
 def _tanh(x):
@@ -90,11 +92,11 @@ def _pow_terms(d, em1, MODE: tl.constexpr):
 
 @triton.jit
 def _entmax_fwd_kernel(
-    Q, K, V, ALPHA, NV, FV, OUT, TAU, NORM, SUPP,
+    Q, K, V, ALPHA, NV, FV, OUT, TAU, NORM, SUPP, TILES, VISITS,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, snvb,
-    sq, skv, q_off, window, rep, hq, scale, softcap, tol, max_iter,
+    sq, skv, q_off, window, rep, hq, scale, softcap, tol, max_iter, nqt, nkt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr, COUNT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -153,17 +155,22 @@ def _entmax_fwd_kernel(
         tau = new
         it += 1
 
-    # 3. output
+    # 3. tile mask + output: P·V only on the tiles with a non-zero weight
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     supp = tl.zeros([BLOCK_M], tl.float32)
+    tile_row = (bh * nqt + pid_m) * nkt
     for start in range(lo_key, hi_key, BLOCK_N):
         offs_n = start + offs_nb
         kv_mask = offs_n < skv
         s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
                                        scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
         d = tl.maximum(s - tau[:, None], 0.0)
-        if tl.max(tl.max(d, 1), 0) > 0:
+        nonzero = tl.max(tl.max(d, 1), 0) > 0
+        tl.store(TILES + tile_row + start // BLOCK_N, tl.where(nonzero, 2, 1).to(tl.uint8))
+        if nonzero:
+            if COUNT:
+                tl.store(VISITS + tile_row + start // BLOCK_N, 1)
             p, _u = _pow_terms(d, em1, MODE)
             total += tl.sum(p, 1)
             supp += tl.sum(tl.where(p > 0, 1.0, 0.0), 1)
@@ -184,11 +191,12 @@ def _entmax_fwd_kernel(
 
 @triton.jit
 def _entmax_bwd_dq_kernel(
-    Q, K, V, DO, ALPHA, TAU, NORM, FV, DQ, DELTA, DAROW,
+    Q, K, V, DO, ALPHA, TAU, NORM, FV, TILES, VISITS, DQ, DELTA, DAROW,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    sq, skv, q_off, window, rep, hq, scale, softcap,
+    sq, skv, q_off, window, rep, hq, scale, softcap, nqt, nkt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr, NEED_DALPHA: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -213,16 +221,17 @@ def _entmax_bwd_dq_kernel(
     v_base = V + b * svb + hk * svh
     offs_nb = tl.arange(0, BLOCK_N)
 
-    # δ pass
+    # δ pass over the non-zero tiles of the forward's tile mask (τ loaded, never recomputed)
+    tile_row = (bh * nqt + pid_m) * nkt
     su = tl.zeros([BLOCK_M], tl.float32)
     sug = tl.zeros([BLOCK_M], tl.float32)
     for start in range(lo_key, hi_key, BLOCK_N):
-        offs_n = start + offs_nb
-        kv_mask = offs_n < skv
-        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
-                                       scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
-        d = tl.maximum(s - tau[:, None], 0.0)
-        if tl.max(tl.max(d, 1), 0) > 0:
+        if tl.load(TILES + tile_row + start // BLOCK_N) == 2:
+            offs_n = start + offs_nb
+            kv_mask = offs_n < skv
+            s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                           scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+            d = tl.maximum(s - tau[:, None], 0.0)
             _p, u = _pow_terms(d, em1, MODE)
             vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
             if FP32:
@@ -240,12 +249,14 @@ def _entmax_bwd_dq_kernel(
     acc_c = tl.zeros([BLOCK_M], tl.float32)
     acc_h = tl.zeros([BLOCK_M], tl.float32)
     for start in range(lo_key, hi_key, BLOCK_N):
-        offs_n = start + offs_nb
-        kv_mask = offs_n < skv
-        s, t, kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
-                                       scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
-        d = tl.maximum(s - tau[:, None], 0.0)
-        if tl.max(tl.max(d, 1), 0) > 0:
+        if tl.load(TILES + tile_row + start // BLOCK_N) == 2:
+            if COUNT:
+                tl.store(VISITS + tile_row + start // BLOCK_N, 1)
+            offs_n = start + offs_nb
+            kv_mask = offs_n < skv
+            s, t, kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
+                                        scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+            d = tl.maximum(s - tau[:, None], 0.0)
             p, u = _pow_terms(d, em1, MODE)
             p = p * inv_norm[:, None]
             vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
@@ -273,11 +284,11 @@ def _entmax_bwd_dq_kernel(
 
 @triton.jit
 def _entmax_bwd_dkdv_kernel(
-    Q, K, V, DO, ALPHA, TAU, NORM, FV, DELTA, DK, DV,
+    Q, K, V, DO, ALPHA, TAU, NORM, FV, TILES, VISITS, DELTA, DK, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    sq, skv, q_off, window, rep, hq, hkv, scale, softcap,
+    sq, skv, q_off, window, rep, hq, hkv, scale, softcap, nqt, nkt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr, COUNT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -307,16 +318,20 @@ def _entmax_bwd_dkdv_kernel(
         am1 = tl.load(ALPHA + h).to(tl.float32) - 1.0
         em1 = 1.0 / am1 - 1.0
         for start in range(m_lo, m_hi, BLOCK_M):
-            offs_m = start + offs_mb
-            row_ok = offs_m < sq
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                        mask=row_ok[:, None], other=0.0)
-            row = (b * hq + h) * sq + offs_m
-            tau = tl.load(TAU + row, mask=row_ok, other=3.0e38)
-            s, t, _v = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
-                               HAS_SOFTCAP, HAS_FV, FP32)
-            d = tl.maximum(s - tau[:, None], 0.0)
-            if tl.max(tl.max(d, 1), 0) > 0:
+            # the column of the tile mask (query tiles of this key tile): non-zero tiles only
+            tile = ((b * hq + h) * nqt + start // BLOCK_M) * nkt + pid_n
+            if tl.load(TILES + tile) == 2:
+                if COUNT:
+                    tl.store(VISITS + tile, 1)
+                offs_m = start + offs_mb
+                row_ok = offs_m < sq
+                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                            mask=row_ok[:, None], other=0.0)
+                row = (b * hq + h) * sq + offs_m
+                tau = tl.load(TAU + row, mask=row_ok, other=3.0e38)
+                s, t, _v = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
+                                   HAS_SOFTCAP, HAS_FV, FP32)
+                d = tl.maximum(s - tau[:, None], 0.0)
                 p, u = _pow_terms(d, em1, MODE)
                 inv_norm = 1.0 / tl.load(NORM + row, mask=row_ok, other=1.0)
                 p = p * inv_norm[:, None]
@@ -342,18 +357,18 @@ def _entmax_bwd_dkdv_kernel(
 
 
 def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps)."""
-    if dtype == torch.float32 or head_dim >= 256:
-        return 32, 32, 4
-    return 64, 64, 4
+    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``methods.entmax.tiles_cpu.TILE``)."""
+    return TILE, TILE, 8 if (head_dim >= 256 or dtype == torch.float32) else 4
 
 
 TOL = 1e-6
 MAX_ITER = 30
 
 
-def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode):
-    """Launch the forward kernel. Returns (out, τ, row sums, support sizes) like ``entmax_fwd``."""
+def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, visits=None):
+    """Launch the forward kernel. Returns (out, τ, row sums, support sizes, tile mask, diag) like ``entmax_fwd``
+    (diag = NaN: the kernel does not report its update count). ``visits`` (test only): a zeroed uint8 tensor shaped
+    like the tile mask; the kernel sets 1 where its output pass ran P·V."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -361,28 +376,37 @@ def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode):
     tau = torch.empty((b, hq, sq), dtype=ct, device=q.device)
     norm = torch.empty_like(tau)
     supp = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    nqt, nkt = tile_grid(sq, skv)
+    tiles = torch.zeros((b, hq, nqt, nkt), dtype=torch.uint8, device=q.device)
+    diag = torch.full((2,), float("nan"), dtype=torch.float32, device=q.device)
     nv = n_valid.to(torch.float32).contiguous()
     fv = first_valid if first_valid is not None else tau  # dummy pointer when unused
     bm, bn, warps = _blocks(dh, q.dtype)
     grid = (triton.cdiv(sq, bm), b * hq)
     _entmax_fwd_kernel[grid](
-        q, k, v, alpha.to(torch.float32).contiguous(), nv, fv, out, tau, norm, supp,
+        q, k, v, alpha.to(torch.float32).contiguous(), nv, fv, out, tau, norm, supp, tiles,
+        visits if visits is not None else tiles,
         *q.stride(), *k.stride(), *v.stride(), nv.stride(0) if nv.shape[0] > 1 else 0,
-        sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0), TOL, MAX_ITER,
+        sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0), TOL, MAX_ITER, nqt, nkt,
         HEAD_DIM=dh, BLOCK_M=bm, BLOCK_N=bn, MODE=int(mode), HAS_SOFTCAP=bool(softcap),
-        HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, num_warps=warps,
+        HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, COUNT=visits is not None, num_warps=warps,
     )
-    return out, tau, norm, supp
+    return out, tau, norm, supp, tiles, diag
 
 
-def backward(dout, q, k, v, alpha, tau, norm, first_valid, scale, softcap, window, mode, need_dalpha):
-    """Launch the backward kernels. Returns (dq, dk, dv, dalpha (Hq,)) like ``entmax_bwd``."""
+def backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, scale, softcap, window, mode, need_dalpha,
+             visits_dq=None, visits_dkdv=None):
+    """Launch the backward kernels over the non-zero tiles of ``tiles``. Returns (dq, dk, dv, dalpha (Hq,)) like
+    ``entmax_bwd``. ``visits_dq`` / ``visits_dkdv`` (test only): zeroed uint8 tensors shaped like ``tiles``; each
+    kernel sets 1 on the tiles it computed."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     ct = torch.promote_types(q.dtype, torch.float32)
     do = dout.contiguous()
     tau = tau.contiguous()
     norm = norm.contiguous()
+    tiles = tiles.contiguous()
+    nqt, nkt = tiles.shape[-2], tiles.shape[-1]
     dq = torch.empty((b, hq, sq, dh), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, hkv, skv, dh), dtype=k.dtype, device=q.device)
     dv = torch.empty((b, hkv, skv, dh), dtype=v.dtype, device=q.device)
@@ -395,13 +419,14 @@ def backward(dout, q, k, v, alpha, tau, norm, first_valid, scale, softcap, windo
                   HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, num_warps=warps)
     strides = (*q.stride(), *k.stride(), *v.stride())
     _entmax_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, do, alpha32, tau, norm, fv, dq, delta, darow, *strides,
-        sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0),
-        NEED_DALPHA=bool(need_dalpha), **common,
+        q, k, v, do, alpha32, tau, norm, fv, tiles, visits_dq if visits_dq is not None else tiles, dq, delta, darow,
+        *strides, sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0), nqt, nkt,
+        NEED_DALPHA=bool(need_dalpha), COUNT=visits_dq is not None, **common,
     )
     _entmax_bwd_dkdv_kernel[(triton.cdiv(skv, bn), b * hkv)](
-        q, k, v, do, alpha32, tau, norm, fv, delta, dk, dv, *strides,
-        sq, skv, skv - sq, int(window), hq // hkv, hq, hkv, float(scale), float(softcap or 1.0), **common,
+        q, k, v, do, alpha32, tau, norm, fv, tiles, visits_dkdv if visits_dkdv is not None else tiles, delta, dk, dv,
+        *strides, sq, skv, skv - sq, int(window), hq // hkv, hq, hkv, float(scale), float(softcap or 1.0), nqt, nkt,
+        COUNT=visits_dkdv is not None, **common,
     )
     dalpha = darow.sum(dim=(0, 2)).to(alpha.dtype) if need_dalpha else torch.zeros_like(alpha, dtype=ct)
     return dq, dk, dv, dalpha

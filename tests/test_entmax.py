@@ -18,6 +18,7 @@ from hf_sparse_attn.functional import sparse_attention
 from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import entmax as E
 from hf_sparse_attn.methods.dense import dense_attention
+from hf_sparse_attn.methods.entmax import tiles_cpu
 
 F64 = torch.float64
 
@@ -107,7 +108,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case):
     b, hq, hkv, sq, skv, window, softcap = case
-    monkeypatch.setattr(E, "_CHUNK_ELEMS", 64)  # many chunks of a few rows
+    monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)  # one tile per chunk
+    monkeypatch.setattr(tiles_cpu, "TILE", 4)  # many tiles
     q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True)
     kw = dict(alpha=alpha, scale=0.8, softcap=softcap, sliding_window=window)
     out = E.entmax_attention(q, k, v, None, **kw)

@@ -35,14 +35,23 @@ _SCRIPT = textwrap.dedent(
         mask = LeftPadding(first, sq, skv) if fv is not None else None
         nv = E.key_counts(mask, 2, sq, skv, causal=True, sliding_window=window or None, device="cpu")
         scale = d ** -0.5
-        out, tau, norm, supp = T.forward(q, k, v, a, nv, first, scale, softcap, window, mode)
+        return compare(q, k, v, a, nv, first, scale, softcap, window, mode, g)
+
+    def compare(q, k, v, a, nv, first, scale, softcap, window, mode, g):
+        b, hq, sq = q.shape[:3]
+        dtype = q.dtype
+        vis = [torch.zeros(b, hq, *E.tiles_cpu.tile_grid(sq, k.shape[2]), dtype=torch.uint8) for _ in range(3)]
+        out, tau, norm, supp, tiles, _diag = T.forward(q, k, v, a, nv, first, scale, softcap, window, mode,
+                                                       visits=vis[0])
         f32 = [t.float() for t in (q, k, v)]
         ref = E.entmax_fwd(*f32, a, nv, first, None, scale, softcap, window, True, mode, True)
         do = torch.randn(out.shape, generator=g).to(dtype)
-        grads = T.backward(do, q, k, v, a, tau, norm, first, scale, softcap, window, mode, True)
-        rgrads = E.entmax_bwd(do.float(), *f32, a, ref[1], ref[2], first, None, scale, softcap, window, True, mode,
-                              True)
-        live = nv.expand(2, sq)[:, None, :].expand(2, hq, sq) > 0
+        grads = T.backward(do, q, k, v, a, tau, norm, tiles, first, scale, softcap, window, mode, True,
+                           visits_dq=vis[1], visits_dkdv=vis[2])
+        rgrads = E.entmax_bwd(do.float(), *f32, a, ref[1], ref[2], ref[4], first, None, scale, softcap, window, True,
+                              mode, True)
+        live = nv.expand(b, sq)[:, None, :].expand(b, hq, sq) > 0
+        nonzero = (tiles == 2).to(torch.uint8)
 
         def rel(x, y):
             return float((x.float() - y).abs().max() / y.abs().max().clamp(min=1.0))
@@ -54,12 +63,34 @@ _SCRIPT = textwrap.dedent(
             "dq": rel(grads[0], rgrads[0]), "dk": rel(grads[1], rgrads[1]), "dv": rel(grads[2], rgrads[2]),
             "dalpha": rel(grads[3], rgrads[3]),
             "finite": bool(all(torch.isfinite(t).all() for t in (out, *grads))),
+            "sum_err": float((norm - 1)[live].abs().max()),
+            "tiles_equal_cpu": bool(torch.equal(tiles, ref[4])),
+            "tiles": tiles.tolist(),
+            "visits_are_nonzero_tiles": [bool(torch.equal(x, nonzero)) for x in vis],
         }
+
+    def structured(dtype):
+        # known tile support: query tile 0 -> key tile 0, query tile 1 -> key tile 0, query tile 2 -> key tile 2
+        g = torch.Generator().manual_seed(1)
+        n, d, c = 192, 64, 8.0
+        eye = torch.eye(d)
+        kdir = torch.tensor([0] * 64 + [1] * 64 + [2] * 64)
+        qdir = torch.tensor([0] * 64 + [0] * 64 + [2] * 64)
+        q = (c * eye[qdir] + 0.1 * torch.randn(n, d, generator=g))[None, None].expand(1, 2, n, d).contiguous()
+        k = (c * eye[kdir] + 0.1 * torch.randn(n, d, generator=g))[None, None]
+        v = torch.randn(1, 1, n, d, generator=g)
+        a = torch.full((2,), 1.5)
+        nv = E.key_counts(None, 1, n, n, causal=True, sliding_window=None, device="cpu")
+        r = compare(q.to(dtype), k.to(dtype), v.to(dtype), a, nv, None, d ** -0.5, 0.0, 0, 1, g)
+        return r
 
     cases = json.loads(sys.argv[1])
     results = []
     for c in cases:
         c = dict(c)
+        if c.pop("structured", False):
+            results.append(structured(getattr(torch, c["dtype"])))
+            continue
         c["dtype"] = getattr(torch, c["dtype"])
         results.append(run(**c))
     print("RESULTS" + json.dumps(results))
@@ -83,6 +114,7 @@ def _cases():
     for alpha in (1.5, 2.0):
         cases.append(dict(alpha=alpha, hq=4, hkv=1, sq=37, skv=45, d=64, softcap=3.0, window=0, fv=None,
                           dtype="float16"))
+    cases += [dict(structured=True, dtype="float32"), dict(structured=True, dtype="float16")]
     return cases
 
 
@@ -115,8 +147,14 @@ def test_interpreter_kernels_match_blockwise_path(interpreter_results):
             and max(r["dq"], r["dk"], r["dv"]) <= gtol
             and r["dalpha"] <= (2e-1 if half else 1e-3)
         )
+        ok = ok and all(r["visits_are_nonzero_tiles"]) and r["sum_err"] <= (1e-4 if not half else 1e-2)
+        if not half:
+            ok = ok and r["tiles_equal_cpu"]
+        if case.get("structured"):
+            expected = [[2, 0, 0], [2, 1, 0], [1, 1, 2]]  # 2 non-zero, 1 visible but all zero, 0 hidden
+            ok = ok and r["tiles"] == [[expected, expected]]
         if not ok:
-            failures.append((case, r))
+            failures.append((case, {key: val for key, val in r.items() if key != "tiles"}, r["tiles"]))
     assert not failures, failures
 
 

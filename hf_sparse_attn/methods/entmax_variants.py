@@ -20,13 +20,9 @@ import torch
 
 from .base import LayerState, Method, MethodConfig, check_range
 from .dense import dense_attention
-from .entmax import (
-    _module_device,
-    _num_heads,
-    entmax_attention,
-    entmax_layer_stats,
-    key_counts,
-)
+from .entmax.attention import entmax_attention
+from .entmax.masks import key_counts
+from .entmax.method import _module_device, _num_heads, entmax_layer_stats
 
 
 def _log_n(mask, q, k, causal, sliding_window) -> torch.Tensor:
