@@ -32,7 +32,7 @@ from .rowwise import _newton_tau, _tau_sorted
 
 TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
 TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
-_CHUNK_ELEMS = 1 << 22  # score elements (B·Hq·rows·keys) of one forward chunk
+_CHUNK_ELEMS = 1 << 21  # score elements (B·Hq·rows·keys) of one forward chunk
 _PAIR_ELEMS = 1 << 22  # pair elements (pairs·TILE²) of one backward chunk
 _MAX_UPDATES = 100
 # Convergence: |Σp - 1| below SUM_TOL, or τ no longer moving (relative STEP_TOL: fp rounding floor).
