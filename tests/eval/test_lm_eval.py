@@ -269,3 +269,36 @@ def test_missing_packages_give_the_install_hint(mods, code, hint):
     assert proc.returncode != 0
     assert hint in proc.stderr
     assert importlib.util.find_spec("lm_eval") is not None  # the real package stays importable here
+
+
+@pytest.mark.slow
+def test_smollm2_cli_equals_hf_sparse_attn_eval(tmp_path):
+    """The README's command on the real offline model: per-sample predictions and scores equal `hf-sparse-attn eval`."""
+    pytest.importorskip("gguf")
+    from hf_sparse_attn.eval.runner import EvalConfig, run_eval
+
+    length, samples, gen = 4096, 2, 16
+    cfg = EvalConfig(
+        model="smollm2",
+        methods=["bfla"],
+        tasks=["niah_single_1"],
+        lengths=[length],
+        samples=samples,
+        max_new_tokens=gen,
+        out=str(tmp_path / "ours"),
+    )
+    ours = {(r["task"], r["sample_id"]): r for r in run_eval(cfg)["rows"] if r["method"] == "bfla"}
+    out = tmp_path / "lm"
+    argv = [
+        "lm-eval", "--model", "hf-sparse-attn", "--model_args", "pretrained=smollm2,method=bfla,dtype=float32",
+        "--tasks", "hfsa_niah_single_1", "--device", "cpu", "--batch_size", "1",
+        "--metadata", json.dumps({"max_seq_lengths": [length], "num_samples": samples}),
+        "--gen_kwargs", f"max_gen_toks={gen}", "--output_path", str(out), "--log_samples",
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    got = _logged(out)
+    assert set(got) == set(ours) and len(got) == samples
+    for key, row in ours.items():
+        assert got[key][0] == row["prediction"], key
+        assert got[key][1] == pytest.approx(row["score"]), key
+        assert row["density"] < 1.0  # the 4k prompt ran the sparse path
