@@ -233,7 +233,9 @@ def _ruler_chunk(sample: dict, tokenizer, eos: int, pad: int, args: argparse.Nam
     return Chunk(ids_t, labels)
 
 
-_HAYSTACK_GROUP = 4  # training RULER samples per essay rotation (needle depths spread evenly inside a group)
+# Training RULER samples per essay rotation: the answer needle depths are spread evenly inside a group
+# (i / (size - 1)), so cycling the group size varies the depths across groups.
+_HAYSTACK_GROUP_SIZES = (4, 5, 3, 6, 7, 2, 8)
 
 
 def _ruler_samples(tokenizer, args, num_samples: int, seed: int, essays: list[str] | None,
@@ -252,12 +254,14 @@ def _ruler_samples(tokenizer, args, num_samples: int, seed: int, essays: list[st
             samples += generate_samples(task, tokenizer, args.seq_len, per_task, seed=seed + 1000 * t,
                                         tokens_to_generate=answer_budget, essays=essays)
             continue
-        for g, start in enumerate(range(0, per_task, _HAYSTACK_GROUP)):
-            first = g % len(essays)
+        done, g = 0, 0
+        while done < per_task:
+            size = min(_HAYSTACK_GROUP_SIZES[g % len(_HAYSTACK_GROUP_SIZES)], per_task - done)
+            first = (g + t) % len(essays)
             order = essays[first:] + essays[:first]
-            samples += generate_samples(task, tokenizer, args.seq_len, min(_HAYSTACK_GROUP, per_task - start),
-                                        seed=seed + 1000 * t + 100_000 * (g + 1), tokens_to_generate=answer_budget,
-                                        essays=order)
+            samples += generate_samples(task, tokenizer, args.seq_len, size, seed=seed + 1000 * t + 100_000 * (g + 1),
+                                        tokens_to_generate=answer_budget, essays=order)
+            done, g = done + size, g + 1
     random.Random(seed).shuffle(samples)
     return samples[:num_samples]
 
