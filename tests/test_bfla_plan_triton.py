@@ -77,8 +77,8 @@ EST_CUDA = [
 def test_plan_kernel_estimate_matches_reference(case, dtype):
     from hf_sparse_attn.kernels.bfla_plan import plan_estimate
 
-    if dtype != torch.float32 and case not in (EST_CASES[1], EST_CASES[4]) and not ON_CUDA:
-        pytest.skip("fp16 under the interpreter: two cases (time)")
+    if dtype != torch.float32 and case is not EST_CASES[4] and not ON_CUDA:
+        pytest.skip("fp16 under the interpreter: one case (time)")
     b, hq, hkv, sq, skv, d, bs, r, softcap, window, pad = case
     q, k = _qk(b, hq, hkv, sq, skv, d, bs, dtype)
     fv = None if pad is None else torch.tensor(pad, device=DEVICE)
