@@ -399,6 +399,7 @@ def plan_select(
     ent_c = ent.contiguous() if has_flat else counts
     budgets = _head_budgets(tuple(km), device) if per_head and not keep_all else counts
     nk_pad = max(16, _pow2(nk))
+    hpt = select_heads(rep, nk_pad)  # num_warps: about 16 (head, block) entries per thread (sm_90a, ptxas: no spills)
     _plan_select_kernel[(nq, batch * kv_heads)](
         mass_c, ent_c, budgets, counts if first_valid is None else first_valid.contiguous(), counts, ids,
         kv_heads, rep, nq, nk, sq, skv, skv - sq, int(sliding_window or 0),
@@ -406,8 +407,8 @@ def plan_select(
         int(config.sink), int(config.local), int(config.dense_last_blocks),
         flat_threshold(config.flat_entropy) if has_flat else 0,
         HAS_WINDOW=bool(sliding_window), HAS_PAD=first_valid is not None, KEEP_ALL=keep_all, PER_HEAD=per_head,
-        HAS_LOCAL=config.local >= 0, HAS_FLAT=has_flat, BLOCK_SIZE=bs, NK_PAD=nk_pad, HPT=select_heads(rep, nk_pad),
+        HAS_LOCAL=config.local >= 0, HAS_FLAT=has_flat, BLOCK_SIZE=bs, NK_PAD=nk_pad, HPT=hpt,
         NQ_CHUNK=min(256, max(16, _pow2(nq))), MASS_SCALE=float(2**MASS_BITS), MASS_BITS=MASS_BITS,
-        ENT_SCALE=float(2**ENTROPY_BITS), ALL_BUDGET=KEEP_ALL_BUDGET, num_warps=max(1, min(8, nk_pad // 256)),
+        ENT_SCALE=float(2**ENTROPY_BITS), ALL_BUDGET=KEEP_ALL_BUDGET, num_warps=max(1, min(8, hpt * nk_pad // 256)),
     )
     return counts, ids
