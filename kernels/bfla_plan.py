@@ -10,7 +10,8 @@
    row's softmax mass there (``exp2(lse_J - lse_row)``), averages the ``R`` rows of each (query block, head) that
    see a key, and writes ``mass (B,Hq,NQ,NK)`` (every entry: zeros outside the visible blocks, so no memset) and
    ``ent (B,Hq,NQ)``: each row's normalized entropy (-1 for rows with fewer than two valid blocks) for the
-   flat-head test. Scratch: ``4 * BLOCK_M * NK`` bytes per program, about ``R`` times the mass tensor.
+   flat-head test. Scratch: ``4 * BLOCK_M`` bytes per key block a program can see (a causal triangle of slabs), about
+   ``R / 2`` times the mass tensor (256 MB at 128k tokens with 32/8 heads, R 4).
 2. :func:`plan_select` (``_plan_select_kernel``): one program per (batch row, KV head, query block). Per query
    head of the group: masses quantized to integers (units of 2^-24, as ``quantize_unit``), ``tl.sort`` of the
    quantized masses, exact int64 prefix sums against the integer budget (``mass_budget``; one per query head
@@ -76,12 +77,12 @@ def _quantize_unit(x, SCALE: tl.constexpr):
     return f.to(tl.int32) + (x - f >= 0.5).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["SQ", "SKV", "NK", "q_offset", "window", "R"])
+@triton.jit(do_not_specialize=["SQ", "SKV", "NK", "q_offset", "window", "R", "C0", "SLABS"])
 def _plan_estimate_kernel(
     Q, K, MASS, ENT, SCR, FV,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
-    HKV, REP, SQ, SKV, NK, q_offset, window, R, scale, softcap,
+    HKV, REP, SQ, SKV, NK, q_offset, window, R, scale, softcap, C0, SLABS,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr, QBP: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -115,8 +116,11 @@ def _plan_estimate_kernel(
     q_last = tl.minimum(SQ, (qblk0 + QBP) * BLOCK_SIZE) - 1 + q_offset
     k_base = K + b * skb + hkv * skh
     fv = _first_valid(FV, b, HAS_PAD)
-    pid_lin = (pid_bh * tl.num_programs(1) + tile) * tl.num_programs(0) + pid_q
-    scr = SCR + pid_lin.to(tl.int64) * NK * BLOCK_M + offs_m  # scratch (NK, BLOCK_M) of this program
+    # scratch: a slab of (key blocks this program can see, BLOCK_M) -- (p+1)*QBP + C0 rows for query-block group p
+    # (causal: the slabs form a triangle, half of a (NK, BLOCK_M) slab per program)
+    p64 = pid_q.to(tl.int64)
+    slab0 = (QBP * p64 * (p64 + 1)) // 2 + p64 * C0
+    scr = SCR + ((pid_bh * tl.num_programs(1) + tile).to(tl.int64) * SLABS + slab0) * BLOCK_M + offs_m
 
     # the single pass: per key block, each row's block log-sum-exp (to the scratch) and the running row total
     k_first = fv
@@ -124,6 +128,7 @@ def _plan_estimate_kernel(
         k_first = tl.maximum(fv, q_first - window + 1)
     j_lo = k_first // BLOCK_SIZE
     j_hi = q_last // BLOCK_SIZE
+    tl.device_assert(j_hi < (p64 + 1) * QBP + C0, "bfla plan_estimate: key block past the program's scratch slab")
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for j in range(j_lo, j_hi + 1):
@@ -324,12 +329,13 @@ def plan_estimate(
         return mass, ent
     r_pad, hpt, qbp, bn = estimate_tiles(rep, r, bs, d)
     grid = (triton.cdiv(nq, qbp), triton.cdiv(rep, hpt), b * hkv)
-    scratch = torch.empty((grid[0] * grid[1] * grid[2] * qbp * hpt * r_pad * nk,), dtype=torch.float32,
-                          device=q.device)
+    c0 = triton.cdiv(skv - sq, bs)  # key blocks before the first query block's (partial) diagonal block
+    slabs = qbp * grid[0] * (grid[0] + 1) // 2 + grid[0] * c0  # scratch rows of one (batch row, KV group, head tile)
+    scratch = torch.empty((grid[1] * grid[2] * slabs * qbp * hpt * r_pad,), dtype=torch.float32, device=q.device)
     _plan_estimate_kernel[grid](
         q, k, mass, ent, scratch, mass if first_valid is None else first_valid.contiguous(),
         *q.stride(), *k.stride(),
-        hkv, rep, sq, skv, nk, skv - sq, int(sliding_window or 0), r, float(scale), float(softcap or 1.0),
+        hkv, rep, sq, skv, nk, skv - sq, int(sliding_window or 0), r, float(scale), float(softcap or 1.0), c0, slabs,
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), HAS_PAD=first_valid is not None,
         DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, QBP=qbp, BLOCK_N=bn, HEAD_DIM=d,
         D_PAD=max(16, _pow2(d)), num_warps=4, num_stages=2,

@@ -95,6 +95,26 @@ def test_plan_kernel_estimate_matches_reference(case, dtype):
     torch.testing.assert_close(ent, want, atol=tol, rtol=0)
 
 
+def test_plan_estimate_scratch_slabs_hold_every_visible_key_block():
+    """The estimator's scratch is a triangle of per-program slabs ((p+1)*QBP + ceil(offset/bs) key-block rows for
+    query-block group p); the interpreter runs programs one after another and cannot see an overlap, so check the
+    kernel's arithmetic here: every key block a program visits lies inside its own slab, and the slabs fit."""
+    pytest.importorskip("triton")
+    from hf_sparse_attn.kernels.bfla_plan import estimate_tiles
+
+    for bs in (16, 64, 128):
+        for sq, skv in ((1, 1), (95, 95), (300, 333), (1000, 1000), (777, 4100), (4096, 4096), (130, 9000)):
+            for rep, d in ((1, 64), (4, 128), (8, 256), (3, 64)):
+                qbp = estimate_tiles(rep, 4, bs, d)[2]
+                nq, off = -(-sq // bs), skv - sq
+                progs, c0 = -(-nq // qbp), -(-off // bs)
+                slab0 = [qbp * p * (p + 1) // 2 + p * c0 for p in range(progs + 1)]
+                for p in range(progs):
+                    j_hi = (min(sq, (p + 1) * qbp * bs) - 1 + off) // bs
+                    assert j_hi < slab0[p + 1] - slab0[p], (bs, sq, skv, rep, p)
+                assert slab0[progs] <= progs * -(-skv // bs) + qbp * progs  # at most ~ one full slab per program
+
+
 # ------------------------------------------------------------------------------------------------- (b) select
 
 PROFILE = (0.5, 0.9, 1.0, 0.95, 0.7, 0.99, 0.8, 0.6)  # per query head, as a calibrated profile gives a layer
