@@ -213,6 +213,7 @@ def test_select_reference_quantized_ties_by_index():
 E2E_CASES = [  # (b, hq, hkv, sq, skv, d, block_size, window, first_valid, config overrides)
     (1, 8, 2, 70, 103, 64, 16, 0, None, dict(NO_RESCUES, keep_mass=(0.5, 0.7, 0.6, 0.8, 0.5, 0.9, 0.6, 0.7))),
     (2, 4, 1, 97, 97, 64, 16, 40, (0, 29), dict(keep_mass=0.9, flat_entropy=0.8)),
+    (1, 4, 2, 90, 90, 32, 16, 0, None, dict(keep_mass=0.8, estimator="pooled", flat_entropy=0.5)),  # torch estimator
 ]
 
 
@@ -265,7 +266,10 @@ def test_plan_kernel_build_plan_equal_two_launches_no_sync(case, monkeypatch):
             for name in ("item", "cpu", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__"):
                 m.setattr(torch.Tensor, name, forbid(name, getattr(torch.Tensor, name)))
         plan = _build(q, k, case, "triton")
-    assert launched == ["_plan_estimate_kernel", "_plan_select_kernel"], launched
+    if case[-1].get("estimator", "rows") == "rows":
+        assert launched == ["_plan_estimate_kernel", "_plan_select_kernel"], launched
+    else:  # another estimator: PyTorch masses (and row entropies), then the select kernel
+        assert launched == ["_plan_select_kernel"], launched
     assert torch.equal(plan.counts, want.counts) and torch.equal(plan.ids, want.ids)
     if case[-1].get("sink") == 0:  # selection only: a real selection, not keep-all
         assert 0 < int(plan.counts.sum()) < int(want.valid.sum()) * b * hkv
