@@ -58,8 +58,8 @@ cat "$W/env.json"
 TIMEOUT=""
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=100"
 section kernel_tests 200 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cacheprovider -p no:benchmark \
-  tests/test_bfla_triton.py tests/test_bfla_estimate_triton.py tests/test_windowed.py tests/test_entmax_triton.py \
-  tests/test_cuda.py -k "(kernel or cuda or tile) and not interpret" --junitxml="$W/kernel_tests.xml"
+  tests/test_bfla_triton.py tests/test_bfla_estimate_triton.py tests/test_bfla_plan_triton.py tests/test_windowed.py \
+  tests/test_entmax_triton.py tests/test_cuda.py -k "(kernel or cuda or tile) and not interpret" --junitxml="$W/kernel_tests.xml"
 # bfla on real attention (Q/K captured from SmolLM2 at 16k here; default config) vs SDPA flash.
 for f in gpu_inputs/qk_*.safetensors; do
   [ -f "$f" ] || continue
@@ -74,6 +74,13 @@ section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --
   --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$W/windowed"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash (its own script; tests ran above).
 section entmax_bench 110 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
+
+# The plan in two Triton launches (issue 16): launches / aten ops / host syncs of one build_plan call at 8k (PyTorch
+# path vs kernels/bfla_plan.py), then plan time per layer vs SDPA flash, bf16 GQA 32/8 d128, 8k..128k. Targets:
+# <= 0.3 ms per layer at 8k-16k, <= 3 % of flash at >= 32k.
+section plan_counts 60 "$PY" benchmarks/count_plan_ops.py --out "$W/plan_counts.json"
+section plan_time 150 "$PY" benchmarks/count_plan_ops.py --time --lengths 8192,16384,32768,65536,131072 --reps 5 \
+  --out "$W/plan_time.json"
 
 # Launch settings of the forward kernel per shape, and where the plan's time goes (sets the GPU defaults).
 section tune 130 "$PY" benchmarks/tune_bfla_gpu.py --out "$W/tune.json" --budget-s 90

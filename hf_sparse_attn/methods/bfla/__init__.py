@@ -8,7 +8,8 @@ Pipeline of one sparse prefill call (all tensors stay on the input's device; the
    applied. The default estimator (``"rows"``) computes the *exact* softmax of a few strided query rows of each
    block against all keys and sums it per key block, so the estimate is an unbiased sample of the true block
    mass: ``keep_mass`` means what it says (unlike the reference code's 1/64-temperature proxy).
-2. **Select** (:func:`select_by_mass`): per query block and head the smallest key-block set whose estimated mass
+2. **Select** (:func:`select_by_mass`, in integers: masses quantized to 2^-24, ties by block index, so the Triton
+   select kernel reproduces it exactly): per query block and head the smallest key-block set whose estimated mass
    reaches ``keep_mass``, bounded by ``min_blocks``/``max_density``; union over the query heads of a KV group
    (one mask per KV head, so a K/V tile is loaded once for the whole group).
 3. **Rescue** (:func:`build_plan`), in absolute key coordinates (chunked prefill safe): ``sink`` first key blocks,
@@ -32,9 +33,11 @@ dense last query blocks stay in absolute coordinates. The attention paths mask k
 token-exactly; query rows that see no key (padding queries) give zeros, as :func:`dense_attention` does.
 
 Where each stage lives: ``config.py`` (:class:`BflaConfig`), ``estimate.py`` (stage 1), ``select.py`` (stages 2–4,
-:func:`build_plan`), ``attend_cpu.py`` / ``attend_flex.py`` (stage 5 off CUDA), ``reference.py`` (the PyTorch
-references of the Triton ops), ``dispatch.py`` (sparse or dense, backend choice, ``METHOD``). The tile geometry and
-the compact lists are shared with the sliding-window band path in :mod:`hf_sparse_attn.tiles`.
+:func:`build_plan`), ``attend_cpu.py`` / ``attend_flex.py`` (stage 5 off CUDA),
+``hf_sparse_attn.kernels.bfla_plan`` (stages 1–4 on CUDA in two Triton launches, tested against ``estimate.py`` /
+``select.py``), ``reference.py`` (the PyTorch references of the Triton ops), ``dispatch.py`` (sparse or dense,
+backend choice, ``METHOD``). The tile geometry and the compact lists are shared with the sliding-window band path
+in :mod:`hf_sparse_attn.tiles`.
 """
 
 from __future__ import annotations

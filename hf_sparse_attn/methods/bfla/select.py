@@ -2,12 +2,45 @@
 
 from __future__ import annotations
 
+import math
+import os
+import struct
+
 import torch
 
 from ...tiles import BflaPlan, _cdiv, _query_spans, block_valid, compact, valid_rows
 from ..base import shape_cached
-from .config import BflaConfig
+from .config import BflaConfig, use_triton
 from .estimate import estimate_block_mass
+
+MASS_BITS = 24  # estimated masses are compared as integers: multiples of 2^-24 (quantize_unit)
+ENTROPY_BITS = 20  # per-row normalized entropies of the flat-head test: multiples of 2^-20
+KEEP_ALL_BUDGET = 2**31 - 1  # the integer budget of a query head at keep_mass >= 1.0 (keeps every valid block)
+
+
+def quantize_unit(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 ``round-half-up(clamp(x, 0, 1) * 2^bits)``, computed exactly in fp32 (the scaling by a power of two is
+    exact, ``x - floor(x)`` too), so the Triton plan kernels (``hf_sparse_attn.kernels.bfla_plan``) get the same
+    integers from the same floats."""
+    x = x.float().clamp(0.0, 1.0) * float(2**bits)
+    f = torch.floor(x)
+    return f.to(torch.int64) + (x - f >= 0.5).to(torch.int64)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", float(x)))[0]
+
+
+def mass_budget(keep_mass: float | torch.Tensor) -> int | torch.Tensor:
+    """Integer budget of ``keep_mass`` (its fp32 value in units of 2^-24, rounded half up); ``KEEP_ALL_BUDGET``
+    where ``keep_mass >= 1``. A float gives a Python int, a tensor an int64 tensor (same device)."""
+    if isinstance(keep_mass, torch.Tensor):
+        x = keep_mass.to(torch.float32).double() * float(2**MASS_BITS)
+        b = torch.floor(x + 0.5).to(torch.int64)
+        return torch.where(keep_mass >= 1.0, torch.full_like(b, KEEP_ALL_BUDGET), b)
+    if keep_mass >= 1.0:
+        return KEEP_ALL_BUDGET
+    return math.floor(_f32(keep_mass) * 2**MASS_BITS + 0.5)
 
 
 def select_by_mass(
@@ -20,10 +53,13 @@ def select_by_mass(
 ) -> torch.Tensor:
     """Per row (last axis), the smallest set of blocks whose mass reaches ``keep_mass``; bool, same shape.
 
-    Ties are broken by block index (stable sort), so the selection is deterministic. ``valid`` (broadcastable)
-    limits the candidates; ``max_density`` caps the selection at ``ceil(max_density * valid blocks)``.
-    ``keep_mass``: a float, or one value per query head (a ``(Hq,)`` tensor or sequence, e.g. from a calibrated
-    profile) broadcast over the query heads of ``mass (B,Hq,NQ,NK)``.
+    Deterministic integer arithmetic (what the Triton select kernel reproduces bit for bit): the masses are
+    quantized to multiples of 2^-24 (:func:`quantize_unit`, clamped to [0, 1]), ordered by quantized mass, ties by
+    block index (stable sort), and a block is taken while the integer sum of the blocks before it is below the
+    integer budget :func:`mass_budget`. ``valid`` (broadcastable) limits the candidates; ``max_density`` caps the
+    selection at ``ceil(max_density * valid blocks)`` (fp32). ``keep_mass``: a float, or one value per query head (a
+    ``(Hq,)`` tensor or sequence, e.g. from a calibrated profile) broadcast over the query heads of
+    ``mass (B,Hq,NQ,NK)``; heads at 1.0 keep every valid block.
     """
     nk = mass.shape[-1]
     if valid is None:
@@ -38,12 +74,15 @@ def select_by_mass(
             )
     elif keep_mass >= 1.0:
         return valid.expand(mass.shape).clone()
-    vals, order = torch.sort(mass.masked_fill(~valid, -1.0), dim=-1, descending=True, stable=True)
-    before = torch.cumsum(vals.clamp_min(0), dim=-1) - vals.clamp_min(0)
+    budget = mass_budget(keep_mass)
+    qm = quantize_unit(mass, MASS_BITS).masked_fill(~valid, -1)
+    vals, order = torch.sort(qm, dim=-1, descending=True, stable=True)
+    pos = vals.clamp_min(0)
+    before = torch.cumsum(pos, dim=-1) - pos
     rank = torch.arange(nk, device=mass.device)
     n_valid = valid.sum(-1, keepdim=True)
     cap = torch.clamp(torch.ceil(n_valid.to(torch.float32) * max_density).to(n_valid.dtype), min=1)
-    take = (before < keep_mass) & (rank < cap)
+    take = (before < budget) & (rank < cap)
     take |= rank < min_blocks
     if per_head:
         take |= keep_mass >= 1.0
@@ -61,17 +100,36 @@ def _union_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.reshape(b, hkv, hq // hkv, *x.shape[2:]).any(2)
 
 
-def flat_heads(mass: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(B,Hq) bool: the mean normalized entropy of the estimated block distribution (over query blocks with at
-    least two valid key blocks) exceeds ``threshold``. ``valid``: ``(NQ,NK)`` or per batch row ``(B,1,NQ,NK)``."""
+def row_entropy(mass: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B,Hq,NQ) fp32: per row the normalized entropy (in [0, 1]) of the estimated block distribution, -1 for rows
+    with fewer than two valid key blocks (they take no part in :func:`flat_heads`). ``valid``: ``(NQ,NK)`` or per
+    batch row ``(B,1,NQ,NK)``. The Triton estimator (``plan_estimate``) returns the same within fp32 rounding."""
     n = valid.sum(-1).to(torch.float32)  # (NQ,) or (B,1,NQ)
     p = mass.clamp_min(0)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
     ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # (B,Hq,NQ)
-    rows = n >= 2
-    norm = torch.where(rows, ent / torch.log(n.clamp_min(2)), torch.zeros_like(ent))
-    mean = norm.sum(-1) / rows.sum(-1).clamp_min(1)
-    return (mean > threshold) & rows.any(-1)
+    return torch.where(n >= 2, ent / torch.log(n.clamp_min(2)), torch.full_like(ent, -1.0))
+
+
+def flat_heads_from_entropy(ent: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B,Hq) bool from :func:`row_entropy`: the mean over the rows that take part exceeds ``threshold``, compared
+    in integers (entropies quantized to multiples of 2^-20, summed exactly), as the Triton select kernel does."""
+    rows = ent >= 0
+    total = (quantize_unit(ent, ENTROPY_BITS) * rows).sum(-1)
+    n = rows.sum(-1)
+    return (n > 0) & (total > flat_threshold(threshold) * n)
+
+
+def flat_threshold(threshold: float) -> int:
+    """``flat_entropy`` in units of 2^-20 (its fp32 value, rounded half up)."""
+    return math.floor(_f32(threshold) * 2**ENTROPY_BITS + 0.5)
+
+
+def flat_heads(mass: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B,Hq) bool: the mean normalized entropy of the estimated block distribution (over query blocks with at
+    least two valid key blocks) exceeds ``threshold`` (:func:`row_entropy`, :func:`flat_heads_from_entropy`).
+    ``valid``: ``(NQ,NK)`` or per batch row ``(B,1,NQ,NK)``."""
+    return flat_heads_from_entropy(row_entropy(mass, valid), threshold)
 
 
 def rescue_mask(sq: int, skv: int, config: BflaConfig, device, first_valid: torch.Tensor | None = None):
@@ -106,6 +164,71 @@ def _rescue_static(sq: int, skv: int, bs: int, local: int, dense_last: int, sink
     return forced
 
 
+def select_plan(
+    mass: torch.Tensor | None,
+    *,
+    batch: int,
+    kv_heads: int,
+    sq: int,
+    skv: int,
+    sliding_window: int | None,
+    config: BflaConfig,
+    first_valid: torch.Tensor | None = None,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 2–4 in PyTorch, the reference of the Triton select kernel (``kernels.bfla_plan.plan_select``):
+    ``mass (B,Hq,NQ,NK)`` fp32 (None: every ``keep_mass`` is 1.0, keep every valid tile) -> ``counts (B,Hkv,NQ)``
+    int32, ``ids (B,Hkv,NQ,NK)`` int32. Selection per query head (:func:`select_by_mass`), union over the KV
+    group, rescues (:func:`rescue_mask`), flat heads (:func:`flat_heads`), validity (causal, window, padding),
+    compaction. No host sync."""
+    device = mass.device if mass is not None else device
+    bs = config.block_size
+    valid = block_valid(sq, skv, bs, sliding_window, device)
+    rvalid = valid_rows(valid, sq, skv, bs, first_valid)  # (NQ,NK) or (B,1,NQ,NK)
+    if mass is None:
+        keep = rvalid.expand(batch, kv_heads, *valid.shape)
+    else:
+        sel = select_by_mass(
+            mass, config.keep_mass, min_blocks=config.min_blocks, max_density=config.max_density, valid=rvalid
+        )
+        keep = _union_groups(sel, kv_heads)
+        keep = keep | rescue_mask(sq, skv, config, device, first_valid)
+        if config.flat_entropy < 1.0:
+            flat = _union_groups(flat_heads(mass, rvalid, config.flat_entropy), kv_heads)  # (B,Hkv)
+            keep = keep | flat[:, :, None, None]
+        keep = keep & rvalid
+    return compact(keep)
+
+
+def plan_on_triton(q: torch.Tensor, config: BflaConfig) -> bool:
+    """Whether :func:`build_plan` runs the Triton plan kernels: the Triton backend (``use_triton``) on CUDA, or on
+    CPU under ``TRITON_INTERPRET=1`` (tests)."""
+    return use_triton(q, config) and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all):
+    """The plan in Triton: ``plan_estimate`` (one launch; the ``rows`` estimator) + ``plan_select`` (one launch)."""
+    from ...kernels.bfla_plan import plan_estimate, plan_select
+
+    mass = ent = None
+    if not keep_all and config.estimator == "rows":
+        mass, ent = plan_estimate(
+            q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, block_size=config.block_size,
+            rows_per_block=config.rows_per_block, first_valid=fv,
+        )
+    elif not keep_all:  # the other estimators in PyTorch, then the select kernel
+        mass = estimate_block_mass(
+            q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
+        )
+        if config.flat_entropy < 1.0:
+            sq, skv, bs = q.shape[2], k.shape[2], config.block_size
+            ent = row_entropy(mass, valid_rows(block_valid(sq, skv, bs, sliding_window, q.device), sq, skv, bs, fv))
+    return plan_select(
+        mass, ent, batch=q.shape[0], kv_heads=k.shape[1], sq=q.shape[2], skv=k.shape[2],
+        sliding_window=sliding_window, config=config, first_valid=fv, device=q.device,
+    )
+
+
 def build_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -120,30 +243,27 @@ def build_plan(
 
     ``first_valid (B,)``: left padding (first non-padding key of every batch row; None = none). Tiles that hold no
     visible non-padding key are never kept for that row (:func:`valid_rows`); the sink counts from the row's
-    first valid key block (:func:`rescue_mask`); the plan carries ``first_valid`` to the attention."""
+    first valid key block (:func:`rescue_mask`); the plan carries ``first_valid`` to the attention.
+    On the Triton backend (:func:`plan_on_triton`) the plan is two kernel launches (``kernels.bfla_plan``) with
+    the same lists as the PyTorch path (:func:`estimate_block_mass` + :func:`select_plan`) for the same masses."""
     sq, skv = q.shape[2], k.shape[2]
-    hkv = k.shape[1]
     bs = config.block_size
     valid = block_valid(sq, skv, bs, sliding_window, q.device)
     fv = None if first_valid is None else first_valid.to(device=q.device, dtype=torch.long)
-    rvalid = valid_rows(valid, sq, skv, bs, fv)  # (NQ,NK) or (B,1,NQ,NK)
+    keep_all = min(_as_tuple(config.keep_mass)) >= 1.0
     with torch.no_grad():
-        if min(_as_tuple(config.keep_mass)) >= 1.0:
-            keep = rvalid.expand(q.shape[0], hkv, *valid.shape)
+        if plan_on_triton(q, config):
+            counts, ids = _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all)
         else:
-            mass = estimate_block_mass(
-                q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
+            mass = None
+            if not keep_all:
+                mass = estimate_block_mass(
+                    q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
+                )
+            counts, ids = select_plan(
+                mass, batch=q.shape[0], kv_heads=k.shape[1], sq=sq, skv=skv, sliding_window=sliding_window,
+                config=config, first_valid=fv, device=q.device,
             )
-            sel = select_by_mass(
-                mass, config.keep_mass, min_blocks=config.min_blocks, max_density=config.max_density, valid=rvalid
-            )
-            keep = _union_groups(sel, hkv)
-            keep = keep | rescue_mask(sq, skv, config, q.device, fv)
-            if config.flat_entropy < 1.0:
-                flat = _union_groups(flat_heads(mass, rvalid, config.flat_entropy), hkv)  # (B,Hkv)
-                keep = keep | flat[:, :, None, None]
-            keep = keep & rvalid
-        counts, ids = compact(keep)
     return BflaPlan(counts, ids, valid, bs, skv - sq, fv)
 
 
