@@ -14,6 +14,7 @@ from ..dense import METHOD as DENSE
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
 from .config import BflaConfig, use_triton
+from .cpu_threads import build_plan_parallel
 from .select import build_plan
 
 
@@ -46,9 +47,15 @@ def bfla_attention(
 ) -> tuple[torch.Tensor, BflaPlan]:
     """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``. ``first_valid (B,)``:
     left padding (the first valid key of every batch row), honoured by the plan and every attention path."""
-    plan = build_plan(
-        q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
-    )
+    if q.device.type == "cpu":  # one KV group per pool thread, single-threaded ops (see cpu_threads)
+        plan = build_plan_parallel(
+            q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid,
+            workers=torch.get_num_threads(),
+        )
+    else:
+        plan = build_plan(
+            q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
+        )
     flex_problem = None
     if config.backend == "flex":
         flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window)
