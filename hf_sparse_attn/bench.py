@@ -4,7 +4,11 @@ side by side in the same run (methods alternate inside each repetition; median, 
 (a) Attention op, forward and forward+backward, on Q/K/V captured from a real offline model at lengths inside its
     trained context (SmolLM2: up to 8k), for ``dense`` (torch SDPA), ``bfla`` (with its density and the estimator's
     share of dense time), ``entmax`` and peers where installed (the PyPI ``entmax`` package on materialized scores,
-    up to 4k). (b) End-to-end prefill (time to first token) and peak resident memory of the patched model vs dense.
+    up to 4k).
+(b) End-to-end prefill (time to first token) and peak resident memory of the patched model vs dense, on a real-text
+    prompt (``prose``: standard-library documentation) and on random token ids. The report names the thread count
+    and the 1-min load average before and after; ``--busy [N]`` keeps N competing processes spinning on the cores for
+    the whole run (a shared machine). Methods take options: ``bfla:backend=flex;keep_mass=0.9``.
 Writes ``bench.json`` and ``bench.md`` into ``--out``.
 """
 
@@ -110,15 +114,37 @@ def _peer_fns(length: int, peers: list[str]) -> dict[str, Any]:
     return out
 
 
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"bfla"`` or ``"bfla:backend=flex;keep_mass=0.9"`` -> ``(name, config overrides)`` (numbers parsed)."""
+    name, _, opts = spec.partition(":")
+    config: dict[str, Any] = {}
+    for item in filter(None, opts.split(";")):
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"method option {item!r} in {spec!r} is not allowed; allowed: key=value")
+        value: Any = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                pass
+        config[key] = value
+    return name, config
+
+
 def _op_fns(methods: list[str], length: int, peers: list[str]) -> dict[str, Any]:
     fns: dict[str, Any] = {}
     for m in methods:
-        if m == "dense":
+        name, config = parse_method(m)
+        if name == "dense":
             fns[m] = lambda q, k, v, s: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=s, enable_gqa=True
             )
         else:
-            fns[m] = lambda q, k, v, s, m=m: sparse_attention(q, k, v, method=m, scale=s)
+            fns[m] = lambda q, k, v, s, name=name, config=config: sparse_attention(
+                q, k, v, method=name, scale=s, **config
+            )
     fns.update(_peer_fns(length, peers))
     return fns
 
@@ -193,16 +219,23 @@ class _PeakRSS:
         self._t.join()
 
 
-def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int) -> dict:
-    """Time to first token and peak memory growth of one prefill, per method (dense = the model unpatched)."""
+def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int, baseline: str = "unpatched") -> dict:
+    """Time to first token and peak memory growth of one prefill, per method. The ``dense`` row is the model
+    unpatched (``baseline="unpatched"``) or patched with method ``dense`` (``"patched"``: on Gemma 3 its sliding
+    layers then run over their band, so the row isolates what the method adds on the full-attention layers)."""
     from .api import patch_model
 
     times: dict[str, list[float]] = {m: [] for m in methods}
     mem: dict[str, int] = {}
     density: dict[str, float | None] = {}
+    paths: dict[str, list[int]] = {}
     for rep in range(reps + 1):
         for m in methods:
-            handle = None if m == "dense" else patch_model(model, method=m)
+            name, config = parse_method(m)
+            if name == "dense" and baseline == "unpatched":
+                handle = None
+            else:
+                handle = patch_model(model, method=name, **config)
             base = _PeakRSS._rss()
             with torch.no_grad(), _PeakRSS() as peak:
                 t0 = time.perf_counter()
@@ -211,7 +244,9 @@ def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int) -> di
             if rep:
                 times[m].append(dt)
                 mem[m] = max(mem.get(m, 0), peak.peak - base)
-                density[m] = handle.stats()["density"] if handle else 1.0
+                density[m] = handle.stats()["density"] if handle and name != "dense" else 1.0
+                if name == "bfla":
+                    paths[m] = sorted(i for i, e in handle.stats()["layers"].items() if e.get("path") == "dense")
             if handle:
                 handle.remove()
     dense = statistics.median(times["dense"])
@@ -221,13 +256,63 @@ def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int) -> di
             "speedup_vs_dense": dense / statistics.median(t),
             "peak_rss_growth_mb": mem[m] / 2**20,
             "density": density[m],
+            **({"dense_layers": paths[m]} if m in paths else {}),
         }
         for m, t in times.items()
     }
 
 
+def prose_ids(tokenizer, length: int) -> torch.Tensor:
+    """``(1, length)`` token ids of real English text: the standard-library documentation haystacks of
+    :mod:`hf_sparse_attn.prose`, every text in turn, cut at ``length`` tokens."""
+    from . import prose
+
+    text = "\n\n".join(p for name in prose.TEXTS for p in prose.prose_paragraphs(name))
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :length]
+    if ids.shape[1] < length:
+        raise ValueError(f"length={length} is out of range; the prose haystacks hold {ids.shape[1]} tokens")
+    return ids
+
+
+def random_ids(vocab_size: int, length: int) -> torch.Tensor:
+    return torch.randint(100, vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+class BusyCores:
+    """``n`` competing processes that each keep one core busy (a pure-Python spin loop) while the block runs; they
+    are started before and stopped (by their own pids) after the whole measurement."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        import subprocess
+        import sys
+
+        spin = "import time\nwhile True:\n    time.perf_counter()"
+        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.n)]
+        time.sleep(1.0)  # let them reach the loop
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
 def to_markdown(res: dict) -> str:
-    lines = [f"# hf-sparse-attn bench ({res['device']}, {res['model']}, {res['threads']} threads)", ""]
+    busy = f", {res['busy']} competing busy processes" if res.get("busy") else ""
+    lines = [
+        f"# hf-sparse-attn bench ({res['device']}, {res['model']}, {res['threads']} threads{busy})",
+        "",
+        f"1-min load average: {res.get('load_before')} before, {res.get('load_after')} after.",
+        "",
+    ]
     for length, r in res["lengths"].items():
         lines += [
             f"## {length} tokens",
@@ -235,13 +320,17 @@ def to_markdown(res: dict) -> str:
             "| measurement | method | median s | min–max s | × vs dense |",
             "|---|---|---|---|---|",
         ]
-        for part in ("op_forward", "op_forward_backward", "prefill"):
+        parts = ["op_forward", "op_forward_backward"] + [p for p in r if p.startswith("prefill")]
+        for part in parts:
             for m, s in r.get(part, {}).items():
                 if "not_run" in s:
                     lines.append(f"| {part} | {m} | not run: {s['not_run']} | | |")
                 else:
+                    extra = ""
+                    if s.get("dense_layers"):
+                        extra = f" (dense layers {s['dense_layers']})"
                     lines.append(
-                        f"| {part} | {m} | {s['median_s']:.3f} | {s['min_s']:.3f}–{s['max_s']:.3f} | "
+                        f"| {part} | {m}{extra} | {s['median_s']:.3f} | {s['min_s']:.3f}–{s['max_s']:.3f} | "
                         f"{s['speedup_vs_dense']:.2f}× |"
                     )
         o = r.get("bfla_overhead")
@@ -261,54 +350,79 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="hf-sparse-attn bench", description=__doc__)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--methods", default="dense,bfla,entmax")
+    p.add_argument(
+        "--methods",
+        default="dense,bfla,entmax",
+        help="comma-separated; options per method after a colon, ';'-separated: bfla:backend=flex;keep_mass=0.9",
+    )
     p.add_argument("--lengths", default="4096,8192")
     p.add_argument("--layers", default="3,15,27", help="layers whose Q/K/V are captured for the op benchmark")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="default: torch's (this machine: "
+                   f"{torch.get_num_threads()})")
     p.add_argument(
         "--peers",
         default="sdpa-math,entmax-pypi",
         help="comma-separated peers: sdpa-math, entmax-pypi, flex (compiles on first use; slow on CPU)",
     )
+    p.add_argument("--prompts", default="prose,random",
+                   help="prefill prompts: prose (standard-library documentation text), random (random token ids)")
+    p.add_argument("--busy", type=int, nargs="?", const=os.cpu_count(), default=0,
+                   help="run N competing CPU-saturating processes during the whole measurement (default N: the "
+                   "number of cores)")
+    p.add_argument("--baseline", choices=("unpatched", "patched"), default="unpatched",
+                   help="the prefill's dense row: the model as loaded, or patched with method dense")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--no-op", action="store_true", help="skip the attention-op benchmark")
     p.add_argument("--out", default="runs/bench")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     methods = ["dense"] + [m for m in args.methods.split(",") if m and m != "dense"]
-    unknown = [m for m in methods if m not in list_methods()]
+    unknown = [m for m in methods if parse_method(m)[0] not in list_methods()]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; registered: {list_methods()}")
+    prompts = [x for x in args.prompts.split(",") if x]
+    bad = [x for x in prompts if x not in ("prose", "random")]
+    if bad:
+        raise ValueError(f"--prompts {bad} is not allowed; allowed values: ['prose', 'random']")
     model, tok = load(args.model)
     model.eval()
     layers = [int(x) for x in args.layers.split(",")]
     res: dict[str, Any] = {
         "model": args.model,
         "threads": args.threads,
+        "busy": args.busy,
+        "baseline": args.baseline,
         "reps": args.reps,
         "layers": layers,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "load_before": _load(),
         "lengths": {},
     }
-    for length in (int(x) for x in args.lengths.split(",")):
-        caps = capture_qkv(model, tok, length, layers)
-        peers = [p for p in args.peers.split(",") if p]
-        r: dict[str, Any] = {"op_forward": bench_ops(caps, methods, length, args.reps, False, peers)}
-        if not args.no_backward:
-            r["op_forward_backward"] = bench_ops(caps, methods, length, args.reps, True, peers)
-        if "bfla" in methods:
-            r["bfla_overhead"] = bfla_overhead(caps)
-        if not args.no_prefill:
-            ids = torch.randint(
-                100, model.config.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0)
-            )
-            r["prefill"] = bench_prefill(model, ids, methods, max(1, args.reps - 1))
-        res["lengths"][str(length)] = r
-        print(to_markdown({**res, "lengths": {str(length): r}}), flush=True)
+    print(f"threads: {args.threads} (torch default {os.cpu_count()} cores); competing busy processes: {args.busy}; "
+          f"load average {res['load_before']}", flush=True)
+    with BusyCores(args.busy):
+        for length in (int(x) for x in args.lengths.split(",")):
+            r: dict[str, Any] = {}
+            if not args.no_op:
+                caps = capture_qkv(model, tok, length, layers)
+                peers = [p for p in args.peers.split(",") if p]
+                r["op_forward"] = bench_ops(caps, methods, length, args.reps, False, peers)
+                if not args.no_backward:
+                    r["op_forward_backward"] = bench_ops(caps, methods, length, args.reps, True, peers)
+                if any(parse_method(m)[0] == "bfla" for m in methods):
+                    r["bfla_overhead"] = bfla_overhead(caps)
+            if not args.no_prefill:
+                for prompt in prompts:
+                    ids = prose_ids(tok, length) if prompt == "prose" else random_ids(model.config.vocab_size, length)
+                    r[f"prefill_{prompt}"] = bench_prefill(model, ids, methods, max(1, args.reps - 1), args.baseline)
+            res["lengths"][str(length)] = r
+            print(to_markdown({**res, "lengths": {str(length): r}}), flush=True)
+    res["load_after"] = _load()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(res, indent=1))
     (out / "bench.md").write_text(to_markdown(res))
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    print(f"load average after: {res['load_after']}; wrote {out / 'bench.json'} and {out / 'bench.md'}")
     return 0

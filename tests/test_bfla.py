@@ -228,7 +228,7 @@ def test_rows_without_keys_are_zero_not_nan():
 
 def test_keep_mass_one_equals_dense():
     q, k, v = _qkv(b=2, sq=90, skv=90)
-    out = sparse_attention(q, k, v, method="bfla", block_size=BS, keep_mass=1.0, min_seq_len=0)
+    out = sparse_attention(q, k, v, method="bfla", block_size=BS, keep_mass=1.0, min_seq_len=0, dense_density=1.0)
     ref = dense_attention(q, k, v, None, scale=0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -321,10 +321,11 @@ def test_left_padding_keep_all_equals_dense(case):
     hq, hkv, sq, skv, softcap, window, fv = case
     q, k, v = _qkv(2, hq, hkv, sq, skv, grad=True)
     mask = LeftPadding(torch.tensor(fv), sq, skv)
-    layer = LayerState(method=bfla.METHOD, config=_cfg(keep_mass=1.0), layer_idx=0, sparse_eligible=True)
+    layer = LayerState(method=bfla.METHOD, config=_cfg(keep_mass=1.0, dense_density=1.0), layer_idx=0,
+                       sparse_eligible=True)
     out = bfla.METHOD.forward(q, k, v, mask, scale=0.3, causal=True, softcap=softcap, sliding_window=window,
                               config=layer.config, layer=layer)
-    assert bfla.layer_stats(layer)["density"] == 1.0 and "kept" in layer.stats  # the sparse path ran
+    assert bfla.layer_stats(layer)["density"] == 1.0 and layer.stats["path"] == "sparse"  # the sparse path ran
     ref = dense_attention(q, k, v, mask, scale=0.3, softcap=softcap, sliding_window=window)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(out)
@@ -395,7 +396,7 @@ def test_tiny_llama_prefill_generate_and_keep_all_equals_dense():
     ids = torch.randint(3, 128, (1, 160), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         dense_logits = model(ids).logits
-    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=1.0) as handle:
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=1.0, dense_density=1.0) as handle:
         with torch.no_grad():
             logits = model(ids).logits
         assert handle.stats()["density"] == pytest.approx(1.0)
@@ -425,18 +426,19 @@ def test_tiny_llama_left_padded_batch_runs_sparse():
     am[1, :37] = 0  # left padding off the 16-token block grid
     with patch_model(model, method="dense"), torch.no_grad():
         dense_logits = model(input_ids=ids, attention_mask=am).logits
-    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=1.0) as handle:
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=1.0, dense_density=1.0) as handle:
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=am).logits
         assert handle.stats()["density"] == pytest.approx(1.0)
     real = am.bool()
     torch.testing.assert_close(logits[real], dense_logits[real], atol=1e-5, rtol=1e-5)
-    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0) as handle:
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0,
+                     dense_density=1.0) as handle:
         with torch.no_grad():
             sparse_logits = model(input_ids=ids, attention_mask=am).logits
         st = handle.stats()
     assert 0 < st["density"] < 1  # the sparse path ran on the padded batch (a fallback reports density 1)
-    assert all(0 < layer["density"] < 1 for layer in st["layers"].values())
+    assert all(0 < layer["density"] < 1 and layer["path"] == "sparse" for layer in st["layers"].values())
     assert torch.isfinite(sparse_logits).all()
 
 

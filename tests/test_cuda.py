@@ -40,7 +40,7 @@ def test_bfla_keep_all_equals_unpatched_on_cuda(model_type, dtype):
     with torch.no_grad():
         ref = model(ids).logits
         ref_gen = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
-    handle = patch_model(model, method="bfla", keep_mass=1.0, min_seq_len=0, block_size=16)
+    handle = patch_model(model, method="bfla", keep_mass=1.0, min_seq_len=0, block_size=16, dense_density=1.0)
     with torch.no_grad():
         got = model(ids).logits
         got_gen = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
@@ -78,7 +78,11 @@ def test_bfla_sparse_runs_and_reports_density_on_cuda(model_type):
 
 @pytest.mark.parametrize(
     "method,config",
-    [("dense", {}), ("bfla", {"keep_mass": 1.0, "min_seq_len": 0, "block_size": 16}), ("entmax", {"alpha": 1.5})],
+    [
+        ("dense", {}),
+        ("bfla", {"keep_mass": 1.0, "min_seq_len": 0, "block_size": 16, "dense_density": 1.0}),
+        ("entmax", {"alpha": 1.5}),
+    ],
     ids=["dense", "bfla", "entmax"],
 )
 @pytest.mark.parametrize("model_type", MODELS)

@@ -32,7 +32,7 @@ TOL = 1e-5
 LENGTH = 12
 PAD = 4
 # bfla: 16-token tiles, sparse path from 16 tokens on, every tile kept.
-BFLA_KEEP_ALL = dict(block_size=16, min_seq_len=16, min_blocks=1 << 20, keep_mass=1.0)
+BFLA_KEEP_ALL = dict(block_size=16, min_seq_len=16, min_blocks=1 << 20, keep_mass=1.0, dense_density=1.0)
 BFLA_LENGTH = 40
 
 MATRIX = matrix_model_types()

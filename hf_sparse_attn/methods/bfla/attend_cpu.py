@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from ...masks import LeftPadding
 from ...tiles import BflaPlan, _cdiv, _token_keep, valid_rows
 from ..dense import dense_attention
+from .cpu_threads import parallel_map
 
 
 def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scale, softcap, sliding_window, fv=0):
-    """No-grad fast path for one query block of one KV head (batch 1): the kept key blocks entirely visible to
+    """No-grad fast path for one query block of one KV head of one batch row: the kept key blocks entirely visible to
     every query of the block go through mask-free SDPA (with its LSE), the few blocks that need a mask (diagonal,
     window edge, sequence end, left padding before key ``fv``) through an explicit softmax; the two are merged
     with their log-sum-exps.
@@ -72,6 +73,43 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
     return o.reshape(rep, rows, d).to(qq.dtype)
 
 
+def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window):
+    """The no-grad CPU path: every (batch row, KV head, query block) item through :func:`_attend_split`, the items
+    spread over ``torch.get_num_threads()`` pool threads with single-threaded ops (:mod:`.cpu_threads`), each
+    writing its rows of the output; a dense head (every valid tile kept in every batch row) as one exact SDPA call
+    on the caller's threads. ``fv (B,)`` left padding or None. Returns ``(B,Hq,Sq,D)``."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep, bs = hq // hkv, kb.shape[3]
+    out = torch.empty_like(q)
+    pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
+    cnt = counts.tolist()
+    items = []
+    for h in range(hkv):
+        heads = slice(h * rep, (h + 1) * rep)
+        if bool((counts[:, h] == n_valid).all()):
+            out[:, heads] = dense_attention(q[:, heads], k[:, h : h + 1], v[:, h : h + 1], pad_mask, scale=scale,
+                                            causal=True, softcap=softcap, sliding_window=sliding_window)
+            continue
+        items += [(cnt[r][h][i], r, h, i) for r in range(b) for i in range(counts.shape[2])]
+    items.sort(reverse=True)  # costliest first: the pool hands items out one by one
+
+    def run(item):
+        n, r, h, i = item
+        r0, r1 = i * bs, min(sq, (i + 1) * bs)
+        dst = out[r, h * rep : (h + 1) * rep, r0:r1]
+        if n == 0:  # only padding queries (left padding): no key for any row
+            dst.zero_()
+            return
+        q_pos = torch.arange(r0, r1) + off
+        first = 0 if fv is None else int(fv[r])
+        dst.copy_(_attend_split(q[r, h * rep : (h + 1) * rep, r0:r1], kb[r, h], vb[r, h], k[r, h], v[r, h],
+                                ids[r, h, i, :n], bs, skv, r0 + off, q_pos, scale, softcap, sliding_window, first))
+
+    parallel_map(run, items, torch.get_num_threads())
+    return out
+
+
 def sparse_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,7 +123,8 @@ def sparse_attention_cpu(
     """Exact attention restricted to the plan's kept tiles (any device; reads the lists on the host).
 
     Differentiable w.r.t. q, k, v (plain autograd through gather + SDPA / explicit softmax). Without autograd
-    (inference) on CPU with batch 1, a faster split path runs (:func:`_attend_split`). Left padding
+    (inference) on CPU, a faster split path runs (:func:`_attend_split` per batch row, KV head and query block,
+    spread over the threads of :mod:`.cpu_threads`: exact, the same result whatever the thread count). Left padding
     (``plan.first_valid``): keys ``j < first_valid[b]`` are masked. Rows that see no key (padding queries, or
     ``local=-1``) give zeros.
     """
@@ -104,11 +143,13 @@ def sparse_attention_cpu(
         kp, vp = k, v
     kb, vb = kp.unflatten(2, (nk, bs)), vp.unflatten(2, (nk, bs))  # (B,Hkv,NK,bs,D)
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fast = not need_grad and b == 1 and q.device.type == "cpu"
+    fast = not need_grad and q.device.type == "cpu"
     inner = torch.arange(bs)
     bidx = torch.arange(b)[:, None]
     n_valid = valid_rows(plan.valid, sq, skv, bs, plan.first_valid).sum(-1).to(torch.int32).cpu().view(-1, nq)
     pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
+    if fast:
+        return _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window)
     heads = []
     for h in range(hkv):
         if bool((counts[:, h] == n_valid).all()):  # a dense head (flat fallback, keep-all): one exact SDPA call
@@ -134,25 +175,6 @@ def sparse_attention_cpu(
             n = int(cnt.max())
             if n == 0:  # only padding queries (left padding): no key for any row
                 pieces.append(torch.zeros_like(qq))
-                continue
-            if fast:
-                o = _attend_split(
-                    qq[0],
-                    kb[0, h],
-                    vb[0, h],
-                    k[0, h],
-                    v[0, h],
-                    ids[0, h, i, :n],
-                    bs,
-                    skv,
-                    r0 + off,
-                    q_pos,
-                    scale,
-                    softcap,
-                    sliding_window,
-                    0 if fv is None else int(fv[0]),
-                )
-                pieces.append(o[None])
                 continue
             idx = ids[:, h, i, :n]  # (B,n)
             first = int(idx[0, 0]) if n else 0

@@ -55,6 +55,22 @@ class BflaConfig(MethodConfig):
       malformed file: a clear error). Layers the profile does not list keep ``keep_mass``.
       ``keep_mass`` may also be a tuple with one value per query head (what a profile gives each layer).
 
+    * ``dense_density=0.6`` — the "never slower than dense" rule (CPU inference; training keeps its sparse
+      pattern): after the plan, a layer whose selected density (kept / causal tiles, rescues included, mean over
+      batch rows and KV heads) exceeds it runs the exact dense path instead, reported by ``handle.stats()`` per
+      layer as ``path="dense"`` with ``dense_reason``. Measured on SmolLM2 Q/K/V (2 threads, the worker-pool
+      path, a loaded machine: ratios side by side): the sparse pass (plan included) breaks even with dense SDPA at
+      a density of ≈ 0.6–0.75 at 4k and ≈ 0.6–0.7 at 8k (4k: 1.12× at 0.59, 0.96× at 0.69, 0.95× at 0.77, 0.83×
+      at 1.0; 8k: 1.11× at 0.57, 1.19–1.32× at 0.46, 0.95× at 1.0). Flat layers (SmolLM2 layer 0) and Gemma 3
+      270M's full-attention layers (one KV head for 4 query heads: density 0.82–0.88 at 8k–16k) therefore run
+      dense; the plan (≈ 3–10 % of that layer's dense time) is the only cost left there. ``dense_density=1.0``
+      disables the rule (the sparse kernel always runs; what the keep-all tests use). Below ``min_seq_len`` no plan
+      is built at all. On CUDA the rule is not applied (it would need a host read of the density).
+    * ``backend="auto"`` on CPU: the gather path on a worker pool (:mod:`.cpu_threads`), not ``flex``: measured
+      at 8k (SmolLM2 layer 15, machine loaded), the compiled flex kernel alone took 2.5 s (2 threads) / 1.6 s
+      (1 thread) where the pooled gather pass took ≈ 1.0 s, and flex's first compile took 254 s without an
+      inductor cache on disk (15 s with it), which a single prefill would pay.
+
     Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
     this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
     ``antidiag`` estimator), ``backend`` ("auto": Triton on CUDA, the PyTorch gather path elsewhere; "flex":
@@ -76,6 +92,7 @@ class BflaConfig(MethodConfig):
     antidiag_stride: int = 16
     backend: str = "auto"
     profile: str | None = None
+    dense_density: float = 0.6
 
     def validate(self) -> None:
         check_choice("block_size", self.block_size, (16, 32, 64, 128, 256))
@@ -101,6 +118,7 @@ class BflaConfig(MethodConfig):
                 f"allowed: at most block_size={self.block_size}"
             )
         check_choice("backend", self.backend, BACKENDS)
+        check_range("dense_density", self.dense_density, 0.0, 1.0)
         if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
             raise ValueError(f"profile={self.profile!r} is not allowed; allowed: None or the path of a profile JSON")
 

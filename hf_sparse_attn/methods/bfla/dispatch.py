@@ -8,29 +8,82 @@ from typing import Any
 import torch
 
 from ...masks import LeftPadding
-from ...tiles import BflaPlan, valid_rows
+from ...tiles import BflaPlan, plan_density, valid_rows
 from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
 from ..dense import METHOD as DENSE
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
 from .config import BflaConfig, use_triton
+from .cpu_threads import build_plan_parallel
 from .select import build_plan
 
 
-def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None]:
-    """(go_sparse, reason to log once or None when the dense path is expected)."""
+def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None, str | None]:
+    """``(go_sparse, reason to log once or None, dense_reason for the stats or None)`` before any plan is built."""
     sq = q.shape[2]
     if layer is not None and not layer.sparse_eligible:
-        return False, None
-    if sq <= 1 or sq < config.min_seq_len:
-        return False, None
+        return False, None, "layer not eligible (sliding-window or sink layer)"
+    if sq <= 1:
+        return False, None, "decode (one query)"
+    if sq < config.min_seq_len:
+        return False, None, f"sequence length {sq} < min_seq_len {config.min_seq_len}"
     if not causal:
-        return False, "bfla: non-causal attention runs the exact dense path"
+        return False, "bfla: non-causal attention runs the exact dense path", "non-causal attention"
     if mask is not None and not isinstance(mask, LeftPadding):  # left padding runs sparse (plan.first_valid)
-        return False, "bfla: an explicit attention mask (bool tensor) runs the exact dense path"
+        why = "an explicit attention mask (bool tensor)"
+        return False, f"bfla: {why} runs the exact dense path", why
     if q.is_cuda and config.backend != "torch" and q.shape[-1] not in TRITON_HEAD_DIMS:
-        return False, f"bfla: head_dim {q.shape[-1]} is not supported by the Triton kernel; runs the exact dense path"
-    return True, None
+        why = f"head_dim {q.shape[-1]} is not supported by the Triton kernel"
+        return False, f"bfla: {why}; runs the exact dense path", why
+    return True, None, None
+
+
+def make_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    config: BflaConfig,
+    first_valid: torch.Tensor | None = None,
+) -> BflaPlan:
+    """The plan of one call: on CPU one KV group per worker thread (:mod:`.cpu_threads`), else :func:`build_plan`.
+    Both give the same lists."""
+    if q.device.type == "cpu":
+        return build_plan_parallel(
+            q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid,
+            workers=torch.get_num_threads(),
+        )
+    return build_plan(
+        q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BflaPlan,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    config: BflaConfig,
+) -> torch.Tensor:
+    """Exact attention inside the plan's kept tiles on the configured backend (see :class:`BflaConfig`)."""
+    flex_problem = None
+    if config.backend == "flex":
+        flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window)
+    if flex_problem is not None:
+        log_once(f"bfla: backend='flex' {flex_problem}; using the gather path")
+    if config.backend == "flex" and flex_problem is None:
+        return sparse_attention_flex(q, k, v, plan, scale=scale)
+    if use_triton(q, config):
+        from ...kernels.bfla_fwd import bfla_sparse_attention
+
+        return bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
+    return sparse_attention_cpu(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
 
 
 def bfla_attention(
@@ -46,46 +99,58 @@ def bfla_attention(
 ) -> tuple[torch.Tensor, BflaPlan]:
     """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``. ``first_valid (B,)``:
     left padding (the first valid key of every batch row), honoured by the plan and every attention path."""
-    plan = build_plan(
-        q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
-    )
-    flex_problem = None
-    if config.backend == "flex":
-        flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window)
-    if flex_problem is not None:
-        log_once(f"bfla: backend='flex' {flex_problem}; using the gather path")
-    if config.backend == "flex" and flex_problem is None:
-        out = sparse_attention_flex(q, k, v, plan, scale=scale)
-    elif use_triton(q, config):
-        from ...kernels.bfla_fwd import bfla_sparse_attention
+    kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
+    plan = make_plan(q, k, first_valid=first_valid, **kw)
+    return attend(q, k, v, plan, **kw), plan
 
-        out = bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
-    else:
-        out = sparse_attention_cpu(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
-    return out, plan
+
+def _density_rule(q, k, v, plan, config) -> str | None:
+    """The "never slower than dense" rule after the plan (CPU inference): the dense_reason, or None to go sparse."""
+    if config.dense_density >= 1.0 or q.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return None  # training keeps the sparse pattern it is trained with
+    density = float(plan_density(plan).mean())
+    if density > config.dense_density:
+        return f"selected density {density:.2f} > dense_density {config.dense_density}"
+    return None
+
+
+def _plan_stats(q, k, plan) -> dict[str, Any]:
+    rvalid = valid_rows(plan.valid, q.shape[2], k.shape[2], plan.block_size, plan.first_valid)
+    return {
+        "kept": plan.counts.sum(dim=(0, 2)),  # (Hkv,) summed over the batch
+        "valid": rvalid.expand(plan.counts.shape[0], 1, *plan.valid.shape).sum(),  # per-row valid tiles
+    }
+
+
+def _dense(q, k, v, mask, *, scale, causal, softcap, sliding_window):
+    return DENSE.forward(
+        q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, config=None,
+        layer=None,
+    )
 
 
 def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer):
-    sparse, reason = _fallback_reason(q, mask, causal, config, layer)
+    sparse, reason, dense_reason = _fallback_reason(q, mask, causal, config, layer)
+    kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window)
     if not sparse:
         if reason is not None:
             log_once(reason)
         if layer is not None and layer.sparse_eligible and q.shape[2] > 1:
-            layer.stats = {"dense": True}
-        return DENSE.forward(
-            q, k, v, mask, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, config=None,
-            layer=None,
-        )
+            layer.stats = {"dense": True, "path": "dense", "dense_reason": dense_reason}
+        return _dense(q, k, v, mask, causal=causal, **kw)
     fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
-    out, plan = bfla_attention(
-        q, k, v, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
-    )
+    plan = make_plan(q, k, first_valid=fv, config=config, **kw)
+    dense_reason = _density_rule(q, k, v, plan, config)
+    if dense_reason is not None:
+        log_once(f"bfla: a layer's {dense_reason}: it runs the exact dense path (set dense_density=1.0 to disable)")
+        out = _dense(q, k, v, mask, causal=causal, **kw)
+    else:
+        out = attend(q, k, v, plan, config=config, **kw)
     if layer is not None:
-        rvalid = valid_rows(plan.valid, q.shape[2], k.shape[2], plan.block_size, plan.first_valid)
-        layer.stats = {
-            "kept": plan.counts.sum(dim=(0, 2)),  # (Hkv,) summed over the batch
-            "valid": rvalid.expand(plan.counts.shape[0], 1, *plan.valid.shape).sum(),  # per-row valid tiles
-        }
+        layer.stats = {**_plan_stats(q, k, plan), "path": "sparse" if dense_reason is None else "dense",
+                       "dense_reason": dense_reason}
     return out
 
 
@@ -115,16 +180,20 @@ def init_layer(module: torch.nn.Module, state: LayerState) -> None:
 
 
 def layer_stats(state: LayerState) -> dict[str, Any]:
-    """Plain numbers of the last prefill: ``density`` (kept / causal tiles) and ``density_per_head`` (KV heads);
-    None on layers bfla does not sparsify (sliding-window layers: see their ``band_density``)."""
+    """Plain numbers of the last prefill: ``density`` (kept / causal tiles of the plan; 1.0 when no plan was built)
+    and ``density_per_head`` (KV heads); None on layers bfla does not sparsify (sliding-window layers: see their
+    ``band_density``). ``path``: "sparse" or "dense" (which attention ran); ``dense_reason``: why the dense path ran
+    (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 3072"`` or ``"selected density 0.86 >
+    dense_density 0.6"`` (the plan's density is still reported then)."""
     st = state.stats
+    route = {"path": st.get("path"), "dense_reason": st.get("dense_reason")}
     if st.get("dense"):
-        return {"density": 1.0, "density_per_head": None}
+        return {"density": 1.0, "density_per_head": None, **route}
     if "kept" not in st:  # no prefill yet, or a layer bfla does not sparsify (e.g. a windowed sliding layer)
-        return {"density": None, "density_per_head": None}
+        return {"density": None, "density_per_head": None, **route}
     valid = float(st["valid"])
     per_head = [float(x) / valid for x in st["kept"].tolist()]
-    return {"density": sum(per_head) / len(per_head), "density_per_head": per_head}
+    return {"density": sum(per_head) / len(per_head), "density_per_head": per_head, **route}
 
 
 METHOD = Method(

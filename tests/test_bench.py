@@ -1,0 +1,57 @@
+"""``hf-sparse-attn bench``: method options, the prose / random prefill prompts, the thread count and load in the
+report, and ``--busy``'s competing processes (started for the whole run, stopped after)."""
+
+import json
+
+import pytest
+
+from hf_sparse_attn import bench
+
+
+def test_parse_method_options():
+    assert bench.parse_method("bfla") == ("bfla", {})
+    assert bench.parse_method("bfla:backend=flex;keep_mass=0.9;min_seq_len=0") == (
+        "bfla", {"backend": "flex", "keep_mass": 0.9, "min_seq_len": 0}
+    )
+    with pytest.raises(ValueError, match=r"method option 'keep_mass' in 'bfla:keep_mass' is not allowed"):
+        bench.parse_method("bfla:keep_mass")
+
+
+def test_busy_cores_run_during_the_block_and_stop_after():
+    with bench.BusyCores(2) as busy:
+        assert len(busy.procs) == 2 and all(p.poll() is None for p in busy.procs)
+    assert all(p.poll() is not None for p in busy.procs)
+    with bench.BusyCores(0) as idle:
+        assert idle.procs == []
+
+
+def test_bench_end_to_end_small(tmp_path):
+    """SmolLM2 at 256 tokens, one thread, one busy process: op + both prefill prompts, report and JSON."""
+    out = tmp_path / "b"
+    bench.main([
+        "--model", "smollm2", "--lengths", "256", "--layers", "0", "--reps", "1", "--no-backward", "--peers", "",
+        "--methods", "dense,bfla:min_seq_len=0;block_size=64;dense_density=0.0", "--threads", "1", "--busy", "1", "--baseline", "patched",
+        "--out", str(out),
+    ])
+    res = json.loads((out / "bench.json").read_text())
+    assert res["threads"] == 1 and res["busy"] == 1 and res["baseline"] == "patched"
+    assert isinstance(res["load_before"], float) and isinstance(res["load_after"], float)
+    r = res["lengths"]["256"]
+    bfla_spec = "bfla:min_seq_len=0;block_size=64;dense_density=0.0"
+    for part in ("op_forward", "prefill_prose", "prefill_random"):
+        assert set(r[part]) == {"dense", bfla_spec}
+        assert r[part]["dense"]["speedup_vs_dense"] == 1.0 and r[part][bfla_spec]["median_s"] > 0
+    # the options reached patch_model: a plan on every layer (min_seq_len=0), then the dense path (dense_density=0)
+    assert r["prefill_prose"][bfla_spec]["dense_layers"] == list(range(30))
+    md = (out / "bench.md").read_text()
+    assert "1 threads, 1 competing busy processes" in md and "prefill_prose" in md and "1-min load average" in md
+
+
+def test_prose_ids_have_the_length_and_name_the_limit():
+    from hf_sparse_attn.models import load
+
+    _, tok = load("smollm2")
+    ids = bench.prose_ids(tok, 8192)
+    assert ids.shape == (1, 8192)
+    with pytest.raises(ValueError, match=r"length=10000000 is out of range; the prose haystacks hold \d+ tokens"):
+        bench.prose_ids(tok, 10_000_000)

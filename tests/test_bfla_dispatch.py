@@ -1,0 +1,100 @@
+"""bfla's "never slower than dense" dispatch: which path runs (min_seq_len, the dense_density rule after the plan,
+training), what ``stats()`` reports per layer (``path``, ``dense_reason``), and the rule's switch."""
+
+import logging
+
+import pytest
+import torch
+
+from hf_sparse_attn import patch_model
+from hf_sparse_attn.methods import bfla
+from hf_sparse_attn.methods.base import LayerState
+from hf_sparse_attn.methods.dense import dense_attention
+
+BS = 16
+
+
+def _qkv(sq=192, flat=False, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, sq, 16, generator=g) for h in (4, 2, 2))
+    if flat:
+        q = q * 0.0  # uniform attention: every block carries mass, the selection keeps almost all of them
+    else:
+        k[:, :, ::19] *= 4.0  # a few heavy keys: a sparse selection
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _run(q, k, v, **cfg):
+    base = dict(block_size=BS, min_seq_len=0, keep_mass=0.3, flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0)
+    layer = LayerState(method=bfla.METHOD, config=bfla.BflaConfig(**{**base, **cfg}), layer_idx=0,
+                       sparse_eligible=True)
+    out = bfla.METHOD.forward(q, k, v, None, scale=0.25, causal=True, softcap=None, sliding_window=None,
+                              config=layer.config, layer=layer)
+    return out, bfla.layer_stats(layer)
+
+
+def test_dense_density_sends_a_dense_plan_to_the_exact_dense_path(caplog):
+    q, k, v = _qkv(flat=True)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="hf_sparse_attn"):
+        out, st = _run(q, k, v, keep_mass=0.8, dense_density=0.5)
+        _run(q, k, v, keep_mass=0.8, dense_density=0.5)
+    assert st["path"] == "dense" and st["density"] > 0.5  # the plan's density is still reported
+    assert st["dense_reason"] == f"selected density {st['density']:.2f} > dense_density 0.5"
+    assert torch.equal(out, dense_attention(q, k, v, None, scale=0.25))  # bit-identical: the dense path itself
+    assert sum("dense_density" in r.getMessage() for r in caplog.records) == 1  # logged once
+    # the switch: dense_density=1.0 always runs the sparse kernel on the same plan
+    with torch.no_grad():
+        out_sparse, st_sparse = _run(q, k, v, keep_mass=0.8, dense_density=1.0)
+    assert st_sparse["path"] == "sparse" and st_sparse["dense_reason"] is None
+    assert st_sparse["density"] == st["density"]
+    assert not torch.equal(out_sparse, out)  # the sparse kernel ran (tiles were dropped)
+
+
+def test_sparse_plan_below_the_threshold_runs_sparse():
+    q, k, v = _qkv()
+    with torch.no_grad():
+        out, st = _run(q, k, v, dense_density=0.9)
+    assert st["path"] == "sparse" and st["dense_reason"] is None and 0 < st["density"] <= 0.9
+    assert not torch.equal(out, dense_attention(q, k, v, None, scale=0.25))
+
+
+def test_short_sequences_report_min_seq_len():
+    q, k, v = _qkv()
+    with torch.no_grad():
+        out, st = _run(q, k, v, min_seq_len=1000)
+    assert st == {"density": 1.0, "density_per_head": None, "path": "dense",
+                  "dense_reason": "sequence length 192 < min_seq_len 1000"}
+    assert torch.equal(out, dense_attention(q, k, v, None, scale=0.25))
+
+
+def test_training_keeps_the_sparse_pattern():
+    """Under autograd the rule does not apply: a fine-tune trains through the pattern it will run with."""
+    q, k, v = _qkv(flat=True, grad=True)
+    out, st = _run(q, k, v, keep_mass=0.8, dense_density=0.0)
+    assert st["path"] == "sparse"
+    out.sum().backward()
+    assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_dense_density_is_validated():
+    with pytest.raises(ValueError, match=r"dense_density=1\.5 is out of range; allowed: a number in \[0\.0, 1\.0\]"):
+        bfla.BflaConfig(dense_density=1.5)
+
+
+def test_handle_stats_name_the_path_per_layer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (1, 128), generator=torch.Generator().manual_seed(1))
+    with patch_model(model, method="bfla", block_size=BS, min_seq_len=64, dense_density=0.0) as handle:
+        with torch.no_grad():
+            model(ids)
+        layers = handle.stats()["layers"].values()
+        assert all(s["path"] == "dense" and s["dense_reason"].startswith("selected density") for s in layers)
+        with torch.no_grad():
+            model(ids[:, :40])  # below min_seq_len: no plan
+        short = handle.stats()["layers"].values()
+        assert all(s["dense_reason"] == "sequence length 40 < min_seq_len 64" for s in short)
