@@ -36,13 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from ..base import log_once
-from .rowwise import _newton_tau, _tau_sorted
+from .rowwise import _tau_sorted
 
 TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
 TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
 _CHUNK_ELEMS = 1 << 21  # score elements (B·Hq·rows·keys) of one forward chunk
 _PAIR_ELEMS = 1 << 20  # pair elements (pairs·TILE²) of one backward chunk
+SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
 _GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
+_ENTRY_SLICE = 1 << 13  # support entries per backward task
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
 _TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
 _MAX_UPDATES = 100
@@ -160,15 +162,25 @@ def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bo
             s[..., : c1 - kb].masked_fill_(j <= q_abs - window, ninf)
 
 
-def _initial_tau(tmax: torch.Tensor, top: torch.Tensor, live: torch.Tensor, mode: int, am1, ct) -> torch.Tensor:
-    """A lower bound τ₀ (I, M) of each row's τ from its tile maxima ``tmax`` (I, M, T) (a subset of the row, whose
-    τ is ≤ τ*): ``_TILE_NEWTON`` Newton steps on the tile maxima from the high end of their bracket (the first step
-    lands left of their root, the next ones approach it from the left), less a rounding margin."""
-    x = torch.where(live.unsqueeze(-1), tmax - top.unsqueeze(-1), -2.0).clamp_(min=-2.0)
-    n = torch.full_like(x[..., :1], x.shape[-1])
-    am1_x = am1 if isinstance(am1, float) else am1.unsqueeze(-1)
-    rel = _newton_tau(x, n, am1_x, _TILE_NEWTON, mode).squeeze(-1).clamp_(min=-1.0)
-    return top + rel - _TAU0_MARGIN[ct] * top.abs().clamp(min=1)
+def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
+    """A lower bound τ₀ (R,) of each row's τ, relative to the row max, from its tile maxima ``x`` (R, T) (relative,
+    <= 0; a subset of the row, whose τ is <= τ*): ``_TILE_NEWTON`` Newton steps on ``f = Σ [x - τ]_+^e - 1`` from
+    τ = -1 (f >= 0 there; f is convex and decreasing, so the iterates stay left of the root); the caller subtracts a
+    rounding margin. ``em1`` = e - 1 (float or (R, 1))."""
+    tau = torch.full_like(x[:, :1], -1.0)
+    tiny = torch.finfo(ct).tiny
+    for _ in range(_TILE_NEWTON):
+        d = (x - tau).clamp_(min=0)
+        if mode == 1:  # f = Σd² - 1, -f' = 2 Σd
+            tau = tau.addcdiv(torch.linalg.vecdot(d, d).unsqueeze(-1) - 1, d.sum(-1, keepdim=True).clamp_(min=tiny),
+                              value=0.5)
+        elif mode == 2:  # f = Σd - 1, -f' = count
+            tau = tau.addcdiv(d.sum(-1, keepdim=True) - 1, (d > 0).sum(-1, keepdim=True).to(ct).clamp_(min=1))
+        else:  # f = Σ d^e - 1, -f' = e Σ d^(e-1)
+            de1 = torch.where(d > 0, d.pow(em1), 0)
+            tau = tau.addcdiv(torch.linalg.vecdot(de1, d).unsqueeze(-1) - 1,
+                              (de1.sum(-1, keepdim=True) * (em1 + 1)).clamp_(min=tiny))
+    return tau.squeeze(-1).clamp_(min=-1.0)
 
 
 def _row_lists(x: torch.Tensor, row: torch.Tensor, n_rows: int, fill: float) -> torch.Tensor:
@@ -249,10 +261,26 @@ def _chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask):
     return out[::-1] if causal else out
 
 
+def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """(n_rows, SUPPORT_KEYS) int32 keys of each row's entries (``row`` non-decreasing): -1 padding, -2 in slot 0
+    for a row with more entries than fit."""
+    counts = torch.bincount(row, minlength=n_rows)
+    pos = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+    out = torch.full((n_rows, SUPPORT_KEYS), -1, dtype=torch.int32, device=row.device)
+    fits = pos < SUPPORT_KEYS
+    out[row[fits], pos[fits]] = key[fits].to(torch.int32)
+    over = counts > SUPPORT_KEYS
+    out[over] = -1
+    out[over, 0] = -2
+    return out
+
+
 def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode,
-                      want_stats):
-    """Tiled forward (module docstring). Returns (out, τ, row sums, support sizes, tile mask, diag) where diag =
-    [τ updates of the slowest chunk (0: closed form), max |Σp - 1| before the final renormalisation] (float32)."""
+                      want_stats, keep_support=False):
+    """Tiled forward (module docstring). Returns (out, τ, row sums, support sizes, tile mask, diag, support keys)
+    where diag = [τ updates of the slowest chunk (0: closed form), max |Σp - 1| before the final renormalisation]
+    (float32) and the support keys are :func:`_support_list` per row (B, Hq, Sq, SUPPORT_KEYS) with
+    ``keep_support``, else empty."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -271,7 +299,12 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     norm_out = torch.ones(b, hkv, rep, sq, dtype=ct, device=dev)
     supp_out = torch.zeros(b, hkv, rep, sq, dtype=torch.float32, device=dev)
     tiles = torch.zeros(b * hkv * rep, nqt, nkt, dtype=torch.uint8, device=dev)
+    support = torch.full((b, hkv, rep, sq, SUPPORT_KEYS) if keep_support else (0,), -1, dtype=torch.int32,
+                         device=dev)
     nv = n_valid.to(ct).reshape(n_valid.shape[0], 1, 1, sq).expand(b, hkv, rep, sq)
+
+    all_live = bool_mask is None and first_valid is None and bool((n_valid > 0).all())
+    am1_r_full = None if isinstance(am1_h, float) else am1_h.reshape(1, hkv, rep, 1).expand(b, hkv, rep, sq)
 
     def chunk(task, diag):
         a, cc = task
@@ -285,8 +318,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         span = ke - kb
         bm = min(TILE, cc)
         nq = cc // bm
-        n_items = b * hkv * rep * nq
-        n_rows = n_items * bm
+        n_rows = b * hkv * rep * cc
         # 1. scores and tile maxima
         kt = kc[:, :, kb:ke].transpose(-1, -2)
         if softcap:  # s = (α-1)·c·tanh(scale·q·k / c)
@@ -296,56 +328,70 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
             s = torch.matmul(qs[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt)
         _mask_scores_(s.view(b, hkv, rep, cc, span), a, cc, kb, ke, off, skv, causal, window, first_valid,
                       bool_mask)
-        tmax = s.view(n_items, bm, nt, TILE).amax(-1)  # (I, M, T)
+        tmax = s.view(n_rows, nt, TILE).amax(-1)  # (R, T)
         top = tmax.amax(-1)
-        live = (nv[:, :, :, rows].reshape(n_items, bm) > 0) & (top > float("-inf"))
-        top = torch.where(live, top, 0)
-        am1_i = am1_h if isinstance(am1_h, float) else am1_h.expand(b, hkv, rep, nq, 1).reshape(n_items, 1)
+        if all_live:
+            live = None
+        else:
+            live = (nv[:, :, :, rows].reshape(n_rows) > 0) & (top > float("-inf"))
+            top = torch.where(live, top, 0)
+        if mode:
+            am1_r, em1 = (0.5, 1.0) if mode == 1 else (1.0, 0.0)
+        else:
+            am1_r = am1_h if am1_r_full is None else am1_r_full[:, :, :, rows].reshape(n_rows)
+            em1 = 1.0 / am1_r - 1.0
         # 2.-3. lower bound τ₀, the (row, key tile) pairs whose maximum exceeds it, and their entries above it
-        tau0 = _initial_tau(tmax, top, live, mode, am1_i, ct)
-        thr = torch.where(live, tau0, float("inf")).reshape(n_rows)
-        rr, tt = (tmax.view(n_rows, nt) > thr.unsqueeze(1)).nonzero(as_tuple=True)
+        rel0 = _initial_tau(tmax - top.unsqueeze(-1), mode, em1 if isinstance(em1, float) else em1.unsqueeze(-1),
+                            ct)
+        thr = top + rel0 - _TAU0_MARGIN[ct] * top.abs().clamp(min=1)
+        if live is not None:
+            thr = torch.where(live, thr, float("inf"))
+        rr, tt = (tmax > thr.unsqueeze(1)).nonzero(as_tuple=True)
         seg = s.view(n_rows * nt, TILE).index_select(0, rr * nt + tt)  # (C, TILE)
         ci, cj = (seg > thr[rr].unsqueeze(1)).nonzero(as_tuple=True)
         row, col = rr[ci], tt[ci] * TILE + cj  # grouped by row
-        top_r, live_r = top.reshape(n_rows), live.reshape(n_rows)
-        x = seg[ci, cj] - top_r[row]
+        x = seg[ci, cj] - top[row]
         # 4. τ (relative to the row max)
         if mode:
             rel = _tau_closed_form(x, row, n_rows, mode)
             updates = 0
         else:
-            am1_r = am1_i.expand(n_items, bm).reshape(n_rows) if isinstance(am1_i, torch.Tensor) else am1_i
-            em1 = 1.0 / am1_r - 1.0
             n_r = nv[:, :, :, rows].reshape(n_rows).clamp(min=1)
             hi = -torch.pow(n_r, -am1_r)
-            rel, updates, _ = _tau_newton(x, row, n_rows, (tau0.reshape(n_rows) - top_r).clamp(max=hi), hi, live_r,
-                                          em1, ct)
+            live_r = live if live is not None else torch.ones(n_rows, dtype=torch.bool, device=dev)
+            rel, updates, _ = _tau_newton(x, row, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
         # 5. support, tile mask, output
         d = (x - rel[row]).clamp_(min=0)
-        sel = (d > 0).nonzero().squeeze(1)
+        sel = d.nonzero().squeeze(1)
         row, col, d = row[sel], col[sel], d[sel]
         e = None if mode else (1.0 / am1_r[row] if isinstance(am1_r, torch.Tensor) else 1.0 / am1_r)
         p = _probs_of(d, mode, e)
         total = torch.zeros(n_rows, dtype=ct, device=dev).index_add_(0, row, p)
-        total = torch.where(live_r, total, 0)
-        if live_r.any():
-            diag[1] = max(diag[1], float((total - 1).abs().masked_fill_(~live_r, 0).max()))
+        if live is not None:
+            total = torch.where(live, total, 0)
         diag[0] = max(diag[0], updates)
+        diag[1] = max(diag[1], float((total - 1).abs_().max()) if live is None else
+                      float((total - 1).abs_().masked_fill_(~live, 0).max()))
         if want_stats:
             cnt = torch.zeros(n_rows, dtype=torch.float32, device=dev).index_add_(0, row, (p > 0).float())
             supp_out[:, :, :, rows] = cnt.view(b, hkv, rep, cc)
-        code = torch.where((tmax > float("-inf")).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
+        code = torch.where((tmax > float("-inf")).view(-1, bm, nt).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
         code.view(-1).index_fill_(0, torch.div(row, bm, rounding_mode="floor") * nt + torch.div(
             col, TILE, rounding_mode="floor"), TILE_NONZERO)
         tiles[:, a // TILE : a // TILE + nq, t0 : t0 + nt] = code.view(b * hkv * rep, nq, nt)
+        if keep_support:
+            support[:, :, :, rows] = _support_list(row, kb + col, n_rows).view(b, hkv, rep, cc, SUPPORT_KEYS)
         o = torch.zeros(n_rows, dh, dtype=ct, device=dev)
         vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
         _gathered_rows_add(o, row, vflat, vrow, p)
-        inv = torch.where(total > 0, 1.0 / total.clamp(min=torch.finfo(ct).tiny), 0)
+        inv = torch.where(total > 0, 1.0 / total, 0)
         out[:, :, :, rows] = (o * inv.unsqueeze(-1)).view(b, hkv, rep, cc, dh)
-        tau_out[:, :, :, rows] = torch.where(live_r, top_r + rel, torch.finfo(ct).max).view(b, hkv, rep, cc)
-        norm_out[:, :, :, rows] = torch.where(live_r, total, 1).view(b, hkv, rep, cc)
+        tau_r = top + rel
+        if live is not None:
+            tau_r = torch.where(live, tau_r, torch.finfo(ct).max)
+            total = torch.where(live, total, 1)
+        tau_out[:, :, :, rows] = tau_r.view(b, hkv, rep, cc)
+        norm_out[:, :, :, rows] = total.view(b, hkv, rep, cc)
 
     tasks = _chunk_bounds(b, hq, sq, off, skv, causal, window, bool_mask is not None)
     diags = _run_workers(tasks, chunk, lambda: [0, 0.0])
@@ -357,6 +403,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         supp_out.reshape(b, hq, sq),
         tiles.reshape(b, hq, nqt, nkt),
         diag,
+        support.reshape(b, hq, sq, SUPPORT_KEYS) if keep_support else support,
     )
 
 
@@ -406,9 +453,22 @@ def _row_dots(a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tens
     return out
 
 
+def _entry_slices(qrow: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Split a list grouped by row (``qrow`` non-decreasing) into slices of about ``size`` entries, cut at row
+    starts (a row's entries stay in one slice: δ needs all of them)."""
+    n = qrow.numel()
+    if n == 0:
+        return []
+    cuts = torch.searchsorted(qrow, qrow[size::size].contiguous()).tolist()
+    bounds = sorted({0, n, *cuts})
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
+
+
 def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool_mask, scale, softcap, window,
-                       causal, mode, need_dalpha):
-    """Tiled backward over the non-zero pairs of ``tiles`` (module docstring). Returns (dq, dk, dv, dα (Hq,))."""
+                       causal, mode, need_dalpha, support=None):
+    """Backward (module docstring): over the rows' support keys ``support`` (B, Hq, Sq, SUPPORT_KEYS) where the
+    forward kept them (rows marked -2 and a missing list: over the non-zero pairs of ``tiles``, recomputed).
+    Returns (dq, dk, dv, dα (Hq,))."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -425,46 +485,30 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
     vflat = F.pad(v.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
     qt_, kt_ = qflat.view(-1, TILE, dh), kflat.view(-1, TILE, dh)
     am1_all = (alpha.to(ct) - 1) if mode == 0 else None
-    bh, qt, kt = (tiles.reshape(b * hq, nqt, nkt) == TILE_NONZERO).nonzero(as_tuple=True)
-    row_tile = bh * nqt + qt
+    rows_per_head = nqt * TILE
 
-    def chunk(bounds, acc):
-        lo, hi = bounds
-        cbh, cqt, ckt, crt = bh[lo:hi], qt[lo:hi], kt[lo:hi], row_tile[lo:hi]
-        head = cbh % hq
-        b_of = torch.div(cbh, hq, rounding_mode="floor")
-        kv_tile = (b_of * hkv + torch.div(head, rep, rounding_mode="floor")) * nkt + ckt
-        kg = kt_.index_select(0, kv_tile)
-        z = torch.bmm(qt_.index_select(0, crt), kg.transpose(1, 2)).mul_(scale)  # (P, TILE, TILE)
+    def entry_grads(qrow, krow, z, acc):
+        """Gradients of the entries (padded query row ``qrow``, padded KV row ``krow``) with scores
+        ``z = scale·q·k`` (E,); every entry of each listed row is in this call."""
+        hrow = torch.div(qrow, rows_per_head, rounding_mode="floor") % hq
+        t = None
         if softcap:
-            z = z.div_(softcap).tanh_()  # t; the score is softcap·t
-        if mode == 0:
-            am1_p = am1_all[head].view(-1, 1, 1)
-        else:
-            am1_p = 0.5 if mode == 1 else 1.0
-        s = z * (softcap * am1_p) if softcap else z * am1_p
-        thr = tau_f.view(-1, TILE)[crt].unsqueeze(-1)
-        pi, mi, ni = (s > thr).nonzero(as_tuple=True)
-        qrow = crt[pi] * TILE + mi
-        krow = kv_tile[pi] * TILE + ni
-        keep = _entry_visible(cqt[pi] * TILE + mi, ckt[pi] * TILE + ni, b_of[pi], sq, skv, off, causal, window,
-                              first_valid, bool_mask)
-        if not bool(keep.all()):
-            pi, mi, ni, qrow, krow = pi[keep], mi[keep], ni[keep], qrow[keep], krow[keep]
-        d = s[pi, mi, ni] - tau_f[qrow]
+            t = torch.tanh(z / softcap)
+            z = softcap * t
+        am1 = am1_all[hrow] if mode == 0 else (0.5 if mode == 1 else 1.0)
+        d = (z * am1 - tau_f[qrow]).clamp_(min=0)
         if mode == 1:
             u, p = d, d * d
         elif mode == 2:
-            u, p = torch.ones_like(d), d
+            u, p = (d > 0).to(ct), d
         else:
-            em1 = (1.0 / am1_all[head[pi]] - 1.0)
-            u = d.pow(em1)
+            u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
             p = u * d
         p = p / norm_f[qrow]
         g = _row_dots(doflat, qrow, vflat, krow)  # dO_i · v_j
-        first_row = int(crt[0]) * TILE
-        lr = qrow - first_row  # rows of this chunk, local
-        n_loc = (int(crt[-1]) + 1) * TILE - first_row
+        r0 = int(qrow.min())
+        lr = qrow - r0
+        n_loc = int(qrow.max()) - r0 + 1
         su = torch.zeros(n_loc, dtype=ct, device=dev).index_add_(0, lr, u)
         sug = torch.zeros_like(su).index_add_(0, lr, u * g)
         delta = torch.where(su > 0, sug / torch.where(su > 0, su, 1), 0)
@@ -474,26 +518,71 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
             sums[0].index_add_(0, lr, g * p)
             sums[1].index_add_(0, lr, g * plogp)
             sums[2].index_add_(0, lr, plogp)
-            rows_all = first_row + torch.arange(n_loc, device=dev)
-            hrow = torch.div(rows_all, nqt * TILE, rounding_mode="floor") % hq
-            am1_r = am1_all[hrow] if mode == 0 else am1_p
+            h_loc = torch.div(r0 + torch.arange(n_loc, device=dev), rows_per_head, rounding_mode="floor") % hq
+            am1_r = am1_all[h_loc] if mode == 0 else am1
             da = (sums[0] - delta) / (am1_r * am1_r) - (sums[1] - delta * sums[2]) / am1_r
-            acc[3].index_add_(0, hrow, torch.where(su > 0, da, 0))
+            acc[3].index_add_(0, h_loc, torch.where(su > 0, da, 0))
         dz = (g - delta[lr]) * u
-        if softcap:
-            t = z[pi, mi, ni]
+        if t is not None:
             dz = dz * (1 - t * t)
         dz = dz * scale
         _gathered_rows_add(acc[0], qrow, kflat, krow, dz)
         _gathered_rows_add(acc[1], krow, qflat, qrow, dz)
         _gathered_rows_add(acc[2], krow, doflat, qrow, p)
 
+    # entries of the kept support lists
+    tasks = []
+    row_ok = None
+    if support is not None:
+        sk = support.reshape(b * hq, sq, -1)
+        overflow = sk[:, :, 0] == -2
+        bhi, ii, slot = ((sk >= 0) & ~overflow.unsqueeze(-1)).nonzero(as_tuple=True)
+        e_key = sk[bhi, ii, slot].long()
+        e_b = torch.div(bhi, hq, rounding_mode="floor")
+        e_qrow = bhi * rows_per_head + ii
+        e_krow = (e_b * hkv + torch.div(bhi % hq, rep, rounding_mode="floor")) * (nkt * TILE) + e_key
+        tasks += [("entries", lo, hi) for lo, hi in _entry_slices(e_qrow, _ENTRY_SLICE)]
+        row_ok = F.pad(overflow, (0, pq)).reshape(-1)
+    # non-zero tiles (rows without a kept list)
+    bh, qt, kt = (tiles.reshape(b * hq, nqt, nkt) == TILE_NONZERO).nonzero(as_tuple=True)
+    row_tile = bh * nqt + qt
+    if row_ok is not None:
+        sel = row_ok.view(-1, TILE).any(1)[row_tile]
+        bh, qt, kt, row_tile = bh[sel], qt[sel], kt[sel], row_tile[sel]
+    tasks += [("tiles", lo, hi) for lo, hi in _pair_chunks(row_tile)]
+
+    def tile_chunk(lo, hi, acc):
+        cbh, cqt, ckt, crt = bh[lo:hi], qt[lo:hi], kt[lo:hi], row_tile[lo:hi]
+        head = cbh % hq
+        b_of = torch.div(cbh, hq, rounding_mode="floor")
+        kv_tile = (b_of * hkv + torch.div(head, rep, rounding_mode="floor")) * nkt + ckt
+        kg = kt_.index_select(0, kv_tile)
+        z = torch.bmm(qt_.index_select(0, crt), kg.transpose(1, 2)).mul_(scale)  # (P, TILE, TILE)
+        s = torch.tanh(z / softcap) * softcap if softcap else z
+        s = s * (am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0))
+        pi, mi, ni = (s > tau_f.view(-1, TILE)[crt].unsqueeze(-1)).nonzero(as_tuple=True)
+        keep = _entry_visible(cqt[pi] * TILE + mi, ckt[pi] * TILE + ni, b_of[pi], sq, skv, off, causal, window,
+                              first_valid, bool_mask)
+        qrow = crt[pi] * TILE + mi
+        if row_ok is not None:
+            keep &= row_ok[qrow]
+        pi, mi, ni, qrow = pi[keep], mi[keep], ni[keep], qrow[keep]
+        if qrow.numel():
+            entry_grads(qrow, kv_tile[pi] * TILE + ni, z[pi, mi, ni], acc)
+
+    def run(task, acc):
+        kind, lo, hi = task
+        if kind == "tiles":
+            tile_chunk(lo, hi, acc)
+        else:
+            qrow, krow = e_qrow[lo:hi], e_krow[lo:hi]
+            entry_grads(qrow, krow, _row_dots(qflat, qrow, kflat, krow).mul_(scale), acc)
+
     def init():
         return [torch.zeros_like(qflat), torch.zeros_like(kflat), torch.zeros_like(kflat),
                 torch.zeros(hq, dtype=ct, device=dev)]
 
-    tasks = _pair_chunks(row_tile)
-    accs = _run_workers(tasks, chunk, init)
+    accs = _run_workers(tasks, run, init)
     dq, dk, dv, dalpha = (sum(a[i] for a in accs[1:]) + accs[0][i] if len(accs) > 1 else accs[0][i]
                           for i in range(4))
     return (
