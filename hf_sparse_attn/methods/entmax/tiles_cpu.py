@@ -28,6 +28,7 @@ spread over ``torch.get_num_threads()`` worker threads that run torch single-thr
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -130,6 +131,12 @@ def _chunk_tiles(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, ca
     return min(tiles * TILE, (sq - a) // TILE * TILE)
 
 
+@functools.lru_cache(maxsize=64)
+def _above_diagonal(rows: int, cols: int, shift: int, device) -> torch.Tensor:
+    """(rows, cols) bool: column + shift > row (keys after a causal query; cached per chunk shape)."""
+    return torch.arange(cols, device=device)[None, :] + shift > torch.arange(rows, device=device)[:, None]
+
+
 def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bool_mask) -> None:
     """-inf where rows [a, a+cc) may not see keys [kb, ke) of ``s`` (B, Hkv, R, cc, ke-kb), in place."""
     ninf = float("-inf")
@@ -153,8 +160,7 @@ def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bo
         return
     c0 = max(kb, off + a)  # causal triangle: only keys at or after the chunk's first query
     if c0 < kv_end:
-        j = torch.arange(c0, kv_end, device=dev)[None, :]
-        s[..., c0 - kb : kv_end - kb].masked_fill_(j > q_abs, ninf)
+        s[..., c0 - kb : kv_end - kb].masked_fill_(_above_diagonal(cc, kv_end - c0, c0 - off - a, dev), ninf)
     if window > 0:
         c1 = min(kv_end, off + a + cc - window + 1)  # window: only keys before the last query's window start
         if c1 > kb:
@@ -350,7 +356,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         seg = s.view(n_rows * nt, TILE).index_select(0, rr * nt + tt)  # (C, TILE)
         ci, cj = (seg > thr[rr].unsqueeze(1)).nonzero(as_tuple=True)
         row, col = rr[ci], tt[ci] * TILE + cj  # grouped by row
-        x = seg[ci, cj] - top[row]
+        x = seg.view(-1)[ci * TILE + cj] - top[row]
         # 4. τ (relative to the row max)
         if mode:
             rel = _tau_closed_form(x, row, n_rows, mode)
