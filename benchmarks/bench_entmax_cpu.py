@@ -7,7 +7,8 @@ Inputs:
   to a 4k run). Captured once into ``~/.cache/hf_sparse_attn/entmax_qkv_smollm2_<n>_essays.safetensors``.
 * ``random``: i.i.d. Gaussian Q/K/V of the same shape (the worst case: almost no all-zero 64×64 tile).
 
-Every timing is the median of ``--reps`` runs measured side by side in one process; the ratio (time ÷ SDPA time of
+Every timing is the median of ``--reps`` runs measured side by side in one process (SDPA and entmax repetitions
+interleaved); the ratio (time ÷ SDPA time of
 the same inputs) is what to read. Next to every timing: the fraction of visible 64×64 key tiles the output pass and
 the backward skip, the τ updates of the slowest chunk and max |Σp - 1| before the final renormalisation.
 
@@ -33,14 +34,18 @@ import torch.nn.functional as F
 from hf_sparse_attn.methods.entmax import entmax_attention, tile_fractions
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def _median_times(fns, reps: int) -> list[float]:
+    """Median wall time of each function, the repetitions interleaved (a, b, a, b, ...) so that load changes on a
+    shared machine hit both sides alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def _essays() -> str:
@@ -114,7 +119,7 @@ def _run_pair(q, k, v, scale, alpha, backward: bool, reps: int) -> dict:
     def ent():
         return entmax_attention(*qkv, None, alpha=alpha, scale=scale, stats=stats)
 
-    def timed(fn):
+    def runner(fn):
         def run():
             out = fn()
             if backward:
@@ -122,13 +127,10 @@ def _run_pair(q, k, v, scale, alpha, backward: bool, reps: int) -> dict:
                 for t in qkv:
                     t.grad = None
 
-        if backward:
-            return _median_time(run, reps)
-        with torch.no_grad():
-            return _median_time(run, reps)
+        return run
 
-    t_sdpa = timed(sdpa)
-    t_ent = timed(ent)
+    with torch.set_grad_enabled(backward):
+        t_sdpa, t_ent = _median_times([runner(sdpa), runner(ent)], reps)
     tiles = tile_fractions(stats["tiles"])
     updates, err = stats["diag"].tolist()
     return {"sdpa_s": t_sdpa, "entmax_s": t_ent, "ratio": t_ent / t_sdpa, "tiles_skipped": tiles["skipped"],
@@ -172,6 +174,7 @@ def main() -> None:
             print(f"{label:7s} n={n:5d} all layers: entmax / sdpa = {sums['entmax_s'] / sums['sdpa_s']:.2f}x",
                   flush=True)
             rows.append({"mode": label, "n": n, "layer": "sum", **sums, "ratio": sums["entmax_s"] / sums["sdpa_s"]})
+    print(f"load after: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": args.source, "alpha": args.alpha, "threads": torch.get_num_threads(), "rows": rows},

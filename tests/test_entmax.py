@@ -110,6 +110,8 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case):
     b, hq, hkv, sq, skv, window, softcap = case
     monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)  # one tile per chunk
     monkeypatch.setattr(tiles_cpu, "TILE", 4)  # many tiles
+    monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
+    monkeypatch.setattr(tiles_cpu, "_ENTRY_SLICE", 5)  # several entry slices, cut at row starts
     q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True)
     kw = dict(alpha=alpha, scale=0.8, softcap=softcap, sliding_window=window)
     out = E.entmax_attention(q, k, v, None, **kw)
@@ -129,6 +131,19 @@ def test_blockwise_fp32_paths(alpha, std):
     out = E.entmax_attention(q, k, v, None, alpha=alpha)
     ref = E.entmax_attention_reference(q.double(), k.double(), v.double(), None, alpha=alpha)
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
+def test_fp32_rows_sum_to_one_before_renormalisation(alpha):
+    # the row sums the op divides by (and diag's max |Σp - 1|) come from the exact τ, not from the renormalisation
+    for std, sq in ((0.05, 150), (1.0, 200), (4.0, 130)):
+        q, k, v = _qkv(1, 4, 2, sq, sq, 32, std=std)
+        a = torch.full((4,), alpha)
+        nv = E.key_counts(None, 1, sq, sq, causal=True, sliding_window=None, device="cpu")
+        _out, _tau, norm, _supp, _tiles, diag, _support = torch.ops.hf_sparse_attn.entmax_fwd(
+            q, k, v, a, nv, None, None, 32**-0.5, 0.0, 0, True, E._alpha_mode(alpha), False
+        )
+        assert (norm - 1).abs().max() <= 1e-4 and diag[1] <= 1e-4, (std, float((norm - 1).abs().max()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -52,16 +52,17 @@ def entmax_attention(
     if isinstance(mask, LeftPadding):
         causal = True
     window = int(sliding_window) if (sliding_window and causal and bool_mask is None) else 0
-    out, _tau, _norm, supp, tiles, diag = torch.ops.hf_sparse_attn.entmax_fwd(
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, alpha_t))
+    out, _tau, _norm, supp, tiles, diag, _support = torch.ops.hf_sparse_attn.entmax_fwd(
         q, k, v, alpha_t, n_valid, first_valid, bool_mask, scale, float(softcap or 0.0), window, bool(causal),
-        mode, stats is not None,
+        mode, stats is not None, grad,
     )
     if stats is not None:
         stats["support"] = supp.detach().sum()
         stats["allowed"] = n_valid.sum() * (hq * (b // n_valid.shape[0]))
         stats["tiles"] = tiles.detach()
         stats["diag"] = diag.detach()
-        stats["grad"] = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, alpha_t))
+        stats["grad"] = grad
     return out
 
 

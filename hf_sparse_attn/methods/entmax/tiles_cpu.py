@@ -1,43 +1,95 @@
 """Tiled α-entmax attention in PyTorch (the CPU implementation of the entmax custom ops).
 
-The pass structure is the GPU kernels': scores are cut into ``TILE × TILE`` (query tile, key tile) pairs and the
-work after the score product runs over the pairs that can hold a non-zero weight only.
+The geometry is the GPU kernels': scores are cut into ``TILE × TILE`` (query tile, key tile) pairs, the tile mask
+records the pairs holding a non-zero weight, and the backward visits those pairs only. After the score product
+everything runs over a *compact list of entries* (row, key, score) instead of dense tiles: attention rows of real
+models keep a handful of keys (SmolLM2 at 4k: median 2-10, max ~60 above the lower bound below), so the τ solve,
+the output and the gradients cost O(entries · D), not O(tiles · TILE² · D).
 
 Forward, per chunk of query tiles (all batch items and heads at once; GQA without repeating K/V):
   1. one score product ``s = (α-1)·softcap(scale·q·kᵀ)`` over the chunk's visible keys, then the *tile maxima*
-     ``max_j s`` per (row, key tile) in one pass (the row max falls out of it);
-  2. a lower bound ``τ₀`` of every row's τ: the exact τ of the row's tile maxima alone (a subset of the row, so
-     its root is ≤ τ*: closed forms for α = 1.5 / 2, Newton otherwise);
-  3. *candidate tiles*: pairs whose tile maximum exceeds ``τ₀`` for some row (every other tile is all-zero);
-     bracketed Halley (α = 1.5) / Newton (α = 2, general α) updates of τ run over the candidate pairs only, every
-     row until ``|Σp - 1|`` is below the tolerance (rows that have not converged get another update);
-  4. the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key, ``TILE_ZERO`` visible
-     but all weights zero, ``TILE_NONZERO`` some weight > 0) and the output ``P·V`` over the non-zero pairs only
-     (batched small matmuls on gathered V tiles), normalised by the row sums.
+     ``max_j s`` per (row, key tile) (the row max falls out of it);
+  2. a lower bound ``τ₀`` of every row's τ: the exact τ of the row's largest tile maxima alone (a subset of the
+     row, so its root is ≤ τ*);
+  3. the entries with ``s > τ₀`` (a superset of the support) compacted into a flat list (one comparison pass);
+  4. τ on that list: exact sorted closed forms for α = 1.5 / 2 (any subset of a row that holds its support gives
+     the row's τ), Newton from ``τ₀`` otherwise (monotone from the left, every row until ``|Σp - 1|`` converges);
+  5. the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key, ``TILE_ZERO`` visible
+     but all weights zero, ``TILE_NONZERO`` some weight > 0) and the output ``Σ p·v`` over the support entries
+     (gathered V rows), normalised by the row sums.
 Backward, over the non-zero pairs of the stored tile mask only (τ and the row sums are loaded, never recomputed):
-recompute the pair's scores, ``g = dO·Vᵀ``, ``δ = Σ u·g / Σ u`` per row (rows are never split across pair
-chunks), ``dz = u ⊙ (g - δ)``; dQ / dK / dV by batched matmuls scattered with ``index_add_``; the α gradient from
-per-row sums.
+one batched score product per chunk of pairs, the support entries ``s > τ`` compacted, then per entry
+``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered rows and
+``index_add_``.
+
+Threads: torch intra-op threads pay a synchronisation per op, and this path is many mid-sized ops, so chunks are
+spread over ``torch.get_num_threads()`` worker threads that run torch single-threaded (the ops release the GIL).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
 from ..base import log_once
-from .rowwise import _newton_tau, _tau_sorted
+from .rowwise import _tau_sorted
 
 TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
 TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
 _CHUNK_ELEMS = 1 << 21  # score elements (B·Hq·rows·keys) of one forward chunk
-_PAIR_ELEMS = 1 << 22  # pair elements (pairs·TILE²) of one backward chunk
+_PAIR_ELEMS = 1 << 20  # pair elements (pairs·TILE²) of one backward chunk
+SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
+_GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
+_ENTRY_SLICE = 1 << 13  # support entries per backward task
+_TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
+_TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
 _MAX_UPDATES = 100
-# Convergence: |Σp - 1| below SUM_TOL, or τ no longer moving (relative STEP_TOL: fp rounding floor).
+# Newton convergence: |Σp - 1| below SUM_TOL, or τ no longer moving (relative STEP_TOL: fp rounding floor).
 _SUM_TOL = {torch.float32: 1e-5, torch.float64: 1e-13}
 _STEP_TOL = {torch.float32: 2e-7, torch.float64: 1e-15}
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _run_workers(tasks: list, fn, init) -> list:
+    """Run ``fn(task, state)`` for every task on ``torch.get_num_threads()`` worker threads, each with its own
+    ``state = init()`` and torch single-threaded; tasks are handed out in order as workers free up. Returns the
+    states (one per worker). With one thread (or one task) everything runs here."""
+    n = min(torch.get_num_threads(), len(tasks))
+    if n <= 1:
+        state = init()
+        for t in tasks:
+            fn(t, state)
+        return [state]
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < n:
+            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hfsa-entmax")
+        pool = _POOL
+    queue = iter(tasks)
+    lock = threading.Lock()
+
+    def work(_):
+        state = init()
+        while True:
+            with lock:
+                t = next(queue, None)
+            if t is None:
+                return state
+            fn(t, state)
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [f.result() for f in [pool.submit(work, i) for i in range(n)]]
+    finally:
+        torch.set_num_threads(prev)
 
 
 def tile_grid(sq: int, skv: int) -> tuple[int, int]:
@@ -79,6 +131,12 @@ def _chunk_tiles(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, ca
     return min(tiles * TILE, (sq - a) // TILE * TILE)
 
 
+@functools.lru_cache(maxsize=64)
+def _above_diagonal(rows: int, cols: int, shift: int, device) -> torch.Tensor:
+    """(rows, cols) bool: column + shift > row (keys after a causal query; cached per chunk shape)."""
+    return torch.arange(cols, device=device)[None, :] + shift > torch.arange(rows, device=device)[:, None]
+
+
 def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bool_mask) -> None:
     """-inf where rows [a, a+cc) may not see keys [kb, ke) of ``s`` (B, Hkv, R, cc, ke-kb), in place."""
     ninf = float("-inf")
@@ -102,8 +160,7 @@ def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bo
         return
     c0 = max(kb, off + a)  # causal triangle: only keys at or after the chunk's first query
     if c0 < kv_end:
-        j = torch.arange(c0, kv_end, device=dev)[None, :]
-        s[..., c0 - kb : kv_end - kb].masked_fill_(j > q_abs, ninf)
+        s[..., c0 - kb : kv_end - kb].masked_fill_(_above_diagonal(cc, kv_end - c0, c0 - off - a, dev), ninf)
     if window > 0:
         c1 = min(kv_end, off + a + cc - window + 1)  # window: only keys before the last query's window start
         if c1 > kb:
@@ -111,70 +168,68 @@ def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bo
             s[..., : c1 - kb].masked_fill_(j <= q_abs - window, ninf)
 
 
-def _pair_sums(d: torch.Tensor, mode: int, em1):
-    """Per (pair, row) sums of d = [s - τ]_+ (P, M, N): (Σ p, Σ u, count of d > 0) with p = d^e, u = d^(e-1)."""
-    if mode == 1:
-        return d.square().sum(-1), d.sum(-1), (d > 0).sum(-1, dtype=d.dtype)
-    if mode == 2:
-        return d.sum(-1), None, (d > 0).sum(-1, dtype=d.dtype)
-    de1 = torch.where(d > 0, d.pow(em1), 0) if not isinstance(em1, float) or em1 <= 0 else d.pow(em1)
-    return (de1 * d).sum(-1), de1.sum(-1), None
+def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
+    """A lower bound τ₀ (R,) of each row's τ, relative to the row max, from its tile maxima ``x`` (R, T) (relative,
+    <= 0; a subset of the row, whose τ is <= τ*): ``_TILE_NEWTON`` Newton steps on ``f = Σ [x - τ]_+^e - 1`` from
+    τ = -1 (f >= 0 there; f is convex and decreasing, so the iterates stay left of the root); the caller subtracts a
+    rounding margin. ``em1`` = e - 1 (float or (R, 1))."""
+    tau = torch.full_like(x[:, :1], -1.0)
+    tiny = torch.finfo(ct).tiny
+    for _ in range(_TILE_NEWTON):
+        d = (x - tau).clamp_(min=0)
+        if mode == 1:  # f = Σd² - 1, -f' = 2 Σd
+            tau = tau.addcdiv(torch.linalg.vecdot(d, d).unsqueeze(-1) - 1, d.sum(-1, keepdim=True).clamp_(min=tiny),
+                              value=0.5)
+        elif mode == 2:  # f = Σd - 1, -f' = count
+            tau = tau.addcdiv(d.sum(-1, keepdim=True) - 1, (d > 0).sum(-1, keepdim=True).to(ct).clamp_(min=1))
+        else:  # f = Σ d^e - 1, -f' = e Σ d^(e-1)
+            de1 = torch.where(d > 0, d.pow(em1), 0)
+            tau = tau.addcdiv(torch.linalg.vecdot(de1, d).unsqueeze(-1) - 1,
+                              (de1.sum(-1, keepdim=True) * (em1 + 1)).clamp_(min=tiny))
+    return tau.squeeze(-1).clamp_(min=-1.0)
 
 
-def _update_tau(f, s1, cnt, tau, lo, hi, mode, em1):
-    """One bracketed update of τ from f = Σp - 1 and the row sums: Halley (α = 1.5), Newton (otherwise); a step
-    outside the bracket (lo, hi) is replaced by the bracket's midpoint. The bracket shrinks on the sign of f."""
-    lo = torch.where(f > 0, tau, lo)
-    hi = torch.where(f < 0, tau, hi)
-    tiny = torch.finfo(f.dtype).tiny
-    if mode == 1:  # f' = -2 Σd, f'' = 2·count
-        fp = -2 * s1
-        step = 2 * f * fp / (2 * fp * fp - f * 2 * cnt).clamp(min=tiny)
-    elif mode == 2:  # f' = -count
-        step = -f / cnt.clamp(min=1)
-    else:  # f' = -e Σ d^(e-1)
-        step = -f / ((em1 + 1) * s1).clamp(min=tiny)
-    new = tau - step
-    ok = (new > lo) & (new < hi)
-    new = torch.where(ok, new, (lo + hi) / 2)
-    new = torch.where(f == 0, tau, new)
-    return new, lo, hi
+def _row_lists(x: torch.Tensor, row: torch.Tensor, n_rows: int, fill: float) -> torch.Tensor:
+    """The entries ``x`` (E,) of rows ``row`` (non-decreasing) as a padded (n_rows, max entries per row) matrix."""
+    counts = torch.bincount(row, minlength=n_rows)
+    width = max(1, int(counts.max())) if row.numel() else 1
+    start = counts.cumsum(0) - counts
+    out = torch.full((n_rows, width), fill, dtype=x.dtype, device=x.device)
+    out[row, torch.arange(row.numel(), device=x.device) - start[row]] = x
+    return out
 
 
-def _initial_tau(tmax: torch.Tensor, top: torch.Tensor, mode: int, am1) -> torch.Tensor:
-    """A lower bound of each row's τ: the exact τ of the row's tile maxima ``tmax`` (I, M, T) alone."""
-    x = (tmax - top.unsqueeze(-1)).clamp(min=-2.0)
-    if mode in (1, 2):
-        rel = _tau_sorted(x.sort(-1, descending=True).values, mode, am1, None, 0).squeeze(-1)
-    else:
-        n = torch.full_like(x[..., :1], x.shape[-1])
-        rel = _newton_tau(x, n, am1 if isinstance(am1, float) else am1.unsqueeze(-1), 50, tol=1e-7).squeeze(-1)
-    return top + rel.clamp(min=-1.0)
+def _tau_closed_form(x: torch.Tensor, row: torch.Tensor, n_rows: int, mode: int) -> torch.Tensor:
+    """Exact τ (n_rows,) for α = 1.5 (mode 1) / 2 (mode 2) from entries ``x`` (E,) of rows ``row`` (non-decreasing),
+    relative to the row max (x <= 0; the max itself is listed). The list must hold every entry of the row above its
+    τ: the entmax of such a subset has the row's τ, and the sorted closed form is exact on it (padding at -2 lies
+    below every τ). Rows without an entry get a meaningless value."""
+    xs = _row_lists(x, row, n_rows, -2.0).sort(-1, descending=True).values
+    return _tau_sorted(xs, mode, 0.5 if mode == 1 else 1.0, None, 0).squeeze(-1)
 
 
-def _solve_tau(sp, pi, tau, lo, hi, live, mode, em1, ct):
-    """Bracketed updates of τ (I, M) over the candidate pairs ``sp`` (P, M, N) of items ``pi`` until every live
-    row has converged; (lo, hi) is the safe bracket. Returns (τ, updates made, max |Σp - 1| at the last check)."""
-    n_items, m = tau.shape
-    sums = torch.zeros(3, n_items, m, dtype=ct, device=sp.device)
-    buf = torch.empty_like(sp)
-    em1_p = em1[pi].unsqueeze(-1) if isinstance(em1, torch.Tensor) else em1  # per pair (P, 1, 1)
+def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
+    """τ (n_rows,) by Newton from the lower bound ``tau`` (clipped to ``hi``) on ``f = Σ [x - τ]_+^e - 1`` over the
+    listed entries ``x`` (E,) of rows ``row`` (they hold every entry above the root). ``f`` is convex and decreasing,
+    so the iterates increase to the root; every live row updates until ``|f|`` is below the tolerance or τ stops
+    moving. ``em1`` = e - 1 (float or per row). Returns (τ, updates, max |f| at the last check)."""
+    em1_e = em1[row] if isinstance(em1, torch.Tensor) else em1
     err = float("inf")
     it = 0
     for it in range(_MAX_UPDATES + 1):
-        d = torch.sub(sp, tau[pi].unsqueeze(-1), out=buf).clamp_(min=0)
-        p_sum, u_sum, cnt = _pair_sums(d, mode, em1_p)
-        sums.zero_()
-        sums[0].index_add_(0, pi, p_sum)
-        if u_sum is not None:
-            sums[1].index_add_(0, pi, u_sum)
-        if cnt is not None:
-            sums[2].index_add_(0, pi, cnt)
-        f = torch.where(live, sums[0] - 1, 0)
+        d = (x - tau[row]).clamp_(min=0)
+        if isinstance(em1_e, float) and em1_e > 0:
+            de1 = d.pow(em1_e)
+        else:
+            de1 = torch.where(d > 0, d.pow(em1_e), 0)
+        f = torch.zeros(n_rows, dtype=ct, device=x.device).index_add_(0, row, de1 * d) - 1
+        f = torch.where(live, f, 0)
         err = float(f.abs().max()) if f.numel() else 0.0
         if err <= _SUM_TOL[ct] or it == _MAX_UPDATES:
             break
-        new, lo, hi = _update_tau(f, sums[1], sums[2], tau, lo, hi, mode, em1)
+        fp = torch.zeros_like(f).index_add_(0, row, de1) * (em1 + 1)
+        new = torch.minimum(tau + f / fp.clamp(min=torch.finfo(ct).tiny), hi)
+        new = torch.maximum(new, tau)
         moved = (new - tau).abs() > _STEP_TOL[ct] * tau.abs().clamp(min=1)
         tau = new
         if not bool((moved & live).any()):
@@ -184,10 +239,54 @@ def _solve_tau(sp, pi, tau, lo, hi, live, mode, em1, ct):
     return tau, it, err
 
 
+def _probs_of(d: torch.Tensor, mode: int, e):
+    """p = d^e for d = [s - τ]_+ >= 0 (e = 1/(α-1); float or per entry)."""
+    if mode == 1:
+        return d * d
+    if mode == 2:
+        return d
+    return d.pow(e)
+
+
+def _gathered_rows_add(out: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, src: torch.Tensor,
+                       weight: torch.Tensor) -> None:
+    """``out[dst[i]] += weight[i] · table[src[i]]`` in slices of ``_GATHER_ROWS`` entries."""
+    for lo in range(0, dst.numel(), _GATHER_ROWS):
+        hi = lo + _GATHER_ROWS
+        out.index_add_(0, dst[lo:hi], table.index_select(0, src[lo:hi]).mul_(weight[lo:hi].unsqueeze(-1)))
+
+
+def _chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask):
+    """(row start, rows) of every forward chunk, most expensive first (the workers take them in this order)."""
+    out = []
+    a = 0
+    while a < sq:
+        cc = _chunk_tiles(a, b, hq, sq, off, skv, causal and not has_bool_mask, window)
+        out.append((a, cc))
+        a += cc
+    return out[::-1] if causal else out
+
+
+def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """(n_rows, SUPPORT_KEYS) int32 keys of each row's entries (``row`` non-decreasing): -1 padding, -2 in slot 0
+    for a row with more entries than fit."""
+    counts = torch.bincount(row, minlength=n_rows)
+    pos = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+    out = torch.full((n_rows, SUPPORT_KEYS), -1, dtype=torch.int32, device=row.device)
+    fits = pos < SUPPORT_KEYS
+    out[row[fits], pos[fits]] = key[fits].to(torch.int32)
+    over = counts > SUPPORT_KEYS
+    out[over] = -1
+    out[over, 0] = -2
+    return out
+
+
 def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode,
-                      want_stats):
-    """Tiled forward (module docstring). Returns (out, τ, row sums, support sizes, tile mask, diag) where diag =
-    [τ updates of the slowest chunk, max |Σp - 1| before the final renormalisation] (float32)."""
+                      want_stats, keep_support=False):
+    """Tiled forward (module docstring). Returns (out, τ, row sums, support sizes, tile mask, diag, support keys)
+    where diag = [τ updates of the slowest chunk (0: closed form), max |Σp - 1| before the final renormalisation]
+    (float32) and the support keys are :func:`_support_list` per row (B, Hq, Sq, SUPPORT_KEYS) with
+    ``keep_support``, else empty."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -200,28 +299,32 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     qs = qg * (scale * am1_h) if not softcap else qg  # fold scale·(α-1) into q once
     pad_k = nkt * TILE - skv
     kc = F.pad(k.to(ct), (0, 0, 0, pad_k))
-    vt = F.pad(v.to(ct), (0, 0, 0, pad_k)).reshape(b * hkv, nkt, TILE, dh)
+    vflat = F.pad(v.to(ct), (0, 0, 0, pad_k)).reshape(b * hkv * nkt * TILE, dh)
     out = torch.zeros(b, hkv, rep, sq, dh, dtype=ct, device=dev)
     tau_out = torch.full((b, hkv, rep, sq), torch.finfo(ct).max, dtype=ct, device=dev)
     norm_out = torch.ones(b, hkv, rep, sq, dtype=ct, device=dev)
     supp_out = torch.zeros(b, hkv, rep, sq, dtype=torch.float32, device=dev)
     tiles = torch.zeros(b * hkv * rep, nqt, nkt, dtype=torch.uint8, device=dev)
+    support = torch.full((b, hkv, rep, sq, SUPPORT_KEYS) if keep_support else (0,), -1, dtype=torch.int32,
+                         device=dev)
     nv = n_valid.to(ct).reshape(n_valid.shape[0], 1, 1, sq).expand(b, hkv, rep, sq)
-    max_it, max_err = 0, 0.0
-    a = 0
-    while a < sq:
-        cc = _chunk_tiles(a, b, hq, sq, off, skv, causal and bool_mask is None, window)
+
+    all_live = bool_mask is None and first_valid is None and bool((n_valid > 0).all())
+    am1_r_full = None if isinstance(am1_h, float) else am1_h.reshape(1, hkv, rep, 1).expand(b, hkv, rep, sq)
+
+    def chunk(task, diag):
+        a, cc = task
         k0, k1 = _key_span(a, cc, off, skv, causal, window, bool_mask is not None)
-        rows = slice(a, a + cc)
         if k1 <= k0:
-            a += cc
-            continue
+            return
+        rows = slice(a, a + cc)
         t0 = k0 // TILE
         nt = -(-k1 // TILE) - t0
         kb, ke = t0 * TILE, (t0 + nt) * TILE
+        span = ke - kb
         bm = min(TILE, cc)
         nq = cc // bm
-        n_items = b * hkv * rep * nq
+        n_rows = b * hkv * rep * cc
         # 1. scores and tile maxima
         kt = kc[:, :, kb:ke].transpose(-1, -2)
         if softcap:  # s = (α-1)·c·tanh(scale·q·k / c)
@@ -229,52 +332,76 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
             s.view(b, hkv, rep, cc, -1).mul_(softcap * am1_h)
         else:
             s = torch.matmul(qs[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt)
-        s5 = s.view(b, hkv, rep, cc, ke - kb)
-        _mask_scores_(s5, a, cc, kb, ke, off, skv, causal, window, first_valid, bool_mask)
-        s_i = s.view(n_items, bm, nt, TILE)
-        tmax = s_i.amax(-1)  # (I, M, T)
+        _mask_scores_(s.view(b, hkv, rep, cc, span), a, cc, kb, ke, off, skv, causal, window, first_valid,
+                      bool_mask)
+        tmax = s.view(n_rows, nt, TILE).amax(-1)  # (R, T)
         top = tmax.amax(-1)
-        live = (nv[:, :, :, rows].reshape(n_items, bm) > 0) & (top > float("-inf"))
-        top = torch.where(live, top, 0)
-        am1_i = am1_h if isinstance(am1_h, float) else am1_h.expand(b, hkv, rep, nq, 1).reshape(n_items, 1)
-        em1_i = None if mode else 1.0 / am1_i - 1.0
-        # 2. lower bound τ₀ and the candidate pairs
-        tau = _initial_tau(torch.where(live.unsqueeze(-1), tmax, -2.0 + top.unsqueeze(-1)), top, mode, am1_i)
-        cand = ((tmax > tau.unsqueeze(-1)) & live.unsqueeze(-1)).any(1)  # (I, T)
-        pi, pt = cand.nonzero(as_tuple=True)
-        sp = s_i[pi, :, pt, :]  # (P, M, N)
-        n_rows = nv[:, :, :, rows].reshape(n_items, bm).clamp(min=1)
-        hi = top - torch.pow(n_rows, -am1_i)
-        # 3. τ updates over the candidate pairs
-        tau, it, err = _solve_tau(sp, pi, tau, top - 1.0, hi, live, mode, em1_i, ct)
-        max_it, max_err = max(max_it, it), max(max_err, err)
-        # 4. tile mask and output over the non-zero pairs
-        d = sp.sub_(tau[pi].unsqueeze(-1)).clamp_(min=0)
-        nz = d.flatten(1).amax(1) > 0
-        pi, pt, d = pi[nz], pt[nz], d[nz]
-        code = torch.where((tmax > float("-inf")).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
-        code[pi, pt] = TILE_NONZERO
-        bhr = b * hkv * rep
-        tiles[:, a // TILE : a // TILE + nq, t0 : t0 + nt] = code.view(bhr, nq, nt)
-        if mode == 1:
-            p = d.square_()
-        elif mode == 2:
-            p = d
-        else:  # p = d^(1/(α-1))
-            p = d.pow_(1.0 / am1_i if isinstance(am1_i, float) else (1.0 / am1_i[pi]).unsqueeze(-1))
-        total = torch.zeros(n_items, bm, dtype=ct, device=dev).index_add_(0, pi, p.sum(-1))
+        if all_live:
+            live = None
+        else:
+            live = (nv[:, :, :, rows].reshape(n_rows) > 0) & (top > float("-inf"))
+            top = torch.where(live, top, 0)
+        if mode:
+            am1_r, em1 = (0.5, 1.0) if mode == 1 else (1.0, 0.0)
+        else:
+            am1_r = am1_h if am1_r_full is None else am1_r_full[:, :, :, rows].reshape(n_rows)
+            em1 = 1.0 / am1_r - 1.0
+        # 2.-3. lower bound τ₀, the (row, key tile) pairs whose maximum exceeds it, and their entries above it
+        rel0 = _initial_tau(tmax - top.unsqueeze(-1), mode, em1 if isinstance(em1, float) else em1.unsqueeze(-1),
+                            ct)
+        thr = top + rel0 - _TAU0_MARGIN[ct] * top.abs().clamp(min=1)
+        if live is not None:
+            thr = torch.where(live, thr, float("inf"))
+        rr, tt = (tmax > thr.unsqueeze(1)).nonzero(as_tuple=True)
+        seg = s.view(n_rows * nt, TILE).index_select(0, rr * nt + tt)  # (C, TILE)
+        ci, cj = (seg > thr[rr].unsqueeze(1)).nonzero(as_tuple=True)
+        row, col = rr[ci], tt[ci] * TILE + cj  # grouped by row
+        x = seg.view(-1)[ci * TILE + cj] - top[row]
+        # 4. τ (relative to the row max)
+        if mode:
+            rel = _tau_closed_form(x, row, n_rows, mode)
+            updates = 0
+        else:
+            n_r = nv[:, :, :, rows].reshape(n_rows).clamp(min=1)
+            hi = -torch.pow(n_r, -am1_r)
+            live_r = live if live is not None else torch.ones(n_rows, dtype=torch.bool, device=dev)
+            rel, updates, _ = _tau_newton(x, row, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
+        # 5. support, tile mask, output
+        d = (x - rel[row]).clamp_(min=0)
+        sel = d.nonzero().squeeze(1)
+        row, col, d = row[sel], col[sel], d[sel]
+        e = None if mode else (1.0 / am1_r[row] if isinstance(am1_r, torch.Tensor) else 1.0 / am1_r)
+        p = _probs_of(d, mode, e)
+        total = torch.zeros(n_rows, dtype=ct, device=dev).index_add_(0, row, p)
+        if live is not None:
+            total = torch.where(live, total, 0)
+        diag[0] = max(diag[0], updates)
+        diag[1] = max(diag[1], float((total - 1).abs_().max()) if live is None else
+                      float((total - 1).abs_().masked_fill_(~live, 0).max()))
         if want_stats:
-            cnt = torch.zeros(n_items, bm, dtype=ct, device=dev).index_add_(0, pi, (p > 0).sum(-1, dtype=ct))
-            supp_out[:, :, :, rows] = cnt.view(b, hkv, rep, cc).float()
-        vg = vt[torch.div(pi, rep * nq, rounding_mode="floor"), t0 + pt]  # (P, N, D)
-        o = torch.zeros(n_items, bm, dh, dtype=ct, device=dev).index_add_(0, pi, torch.bmm(p, vg))
-        total = torch.where(live, total, 0)
-        inv = torch.where(total > 0, 1.0 / total.clamp(min=torch.finfo(ct).tiny), 0)
+            cnt = torch.zeros(n_rows, dtype=torch.float32, device=dev).index_add_(0, row, (p > 0).float())
+            supp_out[:, :, :, rows] = cnt.view(b, hkv, rep, cc)
+        code = torch.where((tmax > float("-inf")).view(-1, bm, nt).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
+        code.view(-1).index_fill_(0, torch.div(row, bm, rounding_mode="floor") * nt + torch.div(
+            col, TILE, rounding_mode="floor"), TILE_NONZERO)
+        tiles[:, a // TILE : a // TILE + nq, t0 : t0 + nt] = code.view(b * hkv * rep, nq, nt)
+        if keep_support:
+            support[:, :, :, rows] = _support_list(row, kb + col, n_rows).view(b, hkv, rep, cc, SUPPORT_KEYS)
+        o = torch.zeros(n_rows, dh, dtype=ct, device=dev)
+        vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
+        _gathered_rows_add(o, row, vflat, vrow, p)
+        inv = torch.where(total > 0, 1.0 / total, 0)
         out[:, :, :, rows] = (o * inv.unsqueeze(-1)).view(b, hkv, rep, cc, dh)
-        tau_out[:, :, :, rows] = torch.where(live, tau, torch.finfo(ct).max).view(b, hkv, rep, cc)
-        norm_out[:, :, :, rows] = torch.where(live, total, 1).view(b, hkv, rep, cc)
-        a += cc
-    diag = torch.tensor([max_it, max_err], dtype=torch.float32, device=dev)
+        tau_r = top + rel
+        if live is not None:
+            tau_r = torch.where(live, tau_r, torch.finfo(ct).max)
+            total = torch.where(live, total, 1)
+        tau_out[:, :, :, rows] = tau_r.view(b, hkv, rep, cc)
+        norm_out[:, :, :, rows] = total.view(b, hkv, rep, cc)
+
+    tasks = _chunk_bounds(b, hq, sq, off, skv, causal, window, bool_mask is not None)
+    diags = _run_workers(tasks, chunk, lambda: [0, 0.0])
+    diag = torch.tensor([max(d[0] for d in diags), max(d[1] for d in diags)], dtype=torch.float32, device=dev)
     return (
         out.reshape(b, hq, sq, dh).to(q.dtype),
         tau_out.reshape(b, hq, sq),
@@ -282,6 +409,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         supp_out.reshape(b, hq, sq),
         tiles.reshape(b, hq, nqt, nkt),
         diag,
+        support.reshape(b, hq, sq, SUPPORT_KEYS) if keep_support else support,
     )
 
 
@@ -303,31 +431,50 @@ def _pair_chunks(row_tile: torch.Tensor):
     return chunks
 
 
-def _pair_keep(bh, qt, kt, b_of, sq, skv, off, causal, window, first_valid, bool_mask):
-    """Visibility (P, TILE, TILE) of the pairs' entries (padding, causal, window, left padding, bool mask)."""
-    dev = qt.device
-    ar = torch.arange(TILE, device=dev)
-    qi = (qt * TILE)[:, None, None] + ar[None, :, None]
-    kj = (kt * TILE)[:, None, None] + ar[None, None, :]
-    keep = (qi < sq) & (kj < skv)
+
+def _entry_visible(qpos, kpos, b_of, sq, skv, off, causal, window, first_valid, bool_mask):
+    """Visibility of entries (query row ``qpos``, key ``kpos``) of batch items ``b_of``: padding, causal, window,
+    left padding, bool mask."""
+    keep = (qpos < sq) & (kpos < skv)
     if bool_mask is not None:
         bmask = bool_mask[:, 0]
         bi = b_of if bmask.shape[0] > 1 else torch.zeros_like(b_of)
-        keep = keep & bmask[bi[:, None, None], qi.clamp(max=sq - 1), kj.clamp(max=skv - 1)]
-        return keep
+        return keep & bmask[bi, qpos.clamp(max=sq - 1), kpos.clamp(max=skv - 1)]
     if causal:
-        q_abs = qi + off
-        keep = keep & (kj <= q_abs)
+        q_abs = qpos + off
+        keep &= kpos <= q_abs
         if window > 0:
-            keep = keep & (kj > q_abs - window)
+            keep &= kpos > q_abs - window
         if first_valid is not None:
-            keep = keep & (kj >= first_valid[b_of][:, None, None])
+            keep &= kpos >= first_valid[b_of]
     return keep
 
 
+def _row_dots(a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+    """``(a[ia[i]] · b[ib[i]])`` for every entry i, in slices of ``_GATHER_ROWS`` entries."""
+    out = torch.empty(ia.numel(), dtype=a.dtype, device=a.device)
+    for lo in range(0, ia.numel(), _GATHER_ROWS):
+        hi = lo + _GATHER_ROWS
+        out[lo:hi] = torch.linalg.vecdot(a.index_select(0, ia[lo:hi]), b.index_select(0, ib[lo:hi]))
+    return out
+
+
+def _entry_slices(qrow: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Split a list grouped by row (``qrow`` non-decreasing) into slices of about ``size`` entries, cut at row
+    starts (a row's entries stay in one slice: δ needs all of them)."""
+    n = qrow.numel()
+    if n == 0:
+        return []
+    cuts = torch.searchsorted(qrow, qrow[size::size].contiguous()).tolist()
+    bounds = sorted({0, n, *cuts})
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
+
+
 def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool_mask, scale, softcap, window,
-                       causal, mode, need_dalpha):
-    """Tiled backward over the non-zero pairs of ``tiles`` (module docstring). Returns (dq, dk, dv, dα (Hq,))."""
+                       causal, mode, need_dalpha, support=None):
+    """Backward (module docstring): over the rows' support keys ``support`` (B, Hq, Sq, SUPPORT_KEYS) where the
+    forward kept them (rows marked -2 and a missing list: over the non-zero pairs of ``tiles``, recomputed).
+    Returns (dq, dk, dv, dα (Hq,))."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -336,66 +483,114 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
     off = skv - sq
     nqt, nkt = tile_grid(sq, skv)
     pq, pk = nqt * TILE - sq, nkt * TILE - skv
-    qt_ = F.pad(q.to(ct), (0, 0, 0, pq)).reshape(b * hq * nqt, TILE, dh)
-    dot = F.pad(dout.to(ct), (0, 0, 0, pq)).reshape(b * hq * nqt, TILE, dh)
-    tau_t = F.pad(tau.to(ct), (0, pq), value=torch.finfo(ct).max).reshape(b * hq * nqt, TILE)
-    norm_t = F.pad(norm.to(ct), (0, pq), value=1.0).reshape(b * hq * nqt, TILE)
-    kt_ = F.pad(k.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt, TILE, dh)
-    vt_ = F.pad(v.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt, TILE, dh)
+    qflat = F.pad(q.to(ct), (0, 0, 0, pq)).reshape(b * hq * nqt * TILE, dh)
+    doflat = F.pad(dout.to(ct), (0, 0, 0, pq)).reshape(b * hq * nqt * TILE, dh)
+    tau_f = F.pad(tau.to(ct), (0, pq), value=torch.finfo(ct).max).reshape(-1)
+    norm_f = F.pad(norm.to(ct), (0, pq), value=1.0).reshape(-1)
+    kflat = F.pad(k.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
+    vflat = F.pad(v.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
+    qt_, kt_ = qflat.view(-1, TILE, dh), kflat.view(-1, TILE, dh)
     am1_all = (alpha.to(ct) - 1) if mode == 0 else None
-    dq = torch.zeros(b * hq * nqt, TILE, dh, dtype=ct, device=dev)
-    dk = torch.zeros(b * hkv * nkt, TILE, dh, dtype=ct, device=dev)
-    dv = torch.zeros_like(dk)
-    dalpha = torch.zeros(hq, dtype=ct, device=dev)
-    bh, qt, kt = (tiles.reshape(b * hq, nqt, nkt) == TILE_NONZERO).nonzero(as_tuple=True)
-    row_tile = bh * nqt + qt
-    for lo, hi in _pair_chunks(row_tile):
-        cbh, cqt, ckt, crt = bh[lo:hi], qt[lo:hi], kt[lo:hi], row_tile[lo:hi]
-        head = cbh % hq
-        b_of = torch.div(cbh, hq, rounding_mode="floor")
-        kv_tile = (b_of * hkv + torch.div(head, rep, rounding_mode="floor")) * nkt + ckt
-        qg, kg, vg, dog = qt_[crt], kt_[kv_tile], vt_[kv_tile], dot[crt]
-        z = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)
+    rows_per_head = nqt * TILE
+
+    def entry_grads(qrow, krow, z, acc):
+        """Gradients of the entries (padded query row ``qrow``, padded KV row ``krow``) with scores
+        ``z = scale·q·k`` (E,); every entry of each listed row is in this call."""
+        hrow = torch.div(qrow, rows_per_head, rounding_mode="floor") % hq
         t = None
         if softcap:
             t = torch.tanh(z / softcap)
             z = softcap * t
-        if mode == 0:
-            am1 = am1_all[head].view(-1, 1, 1)
-            em1 = 1.0 / am1 - 1.0
-        else:
-            am1 = 0.5 if mode == 1 else 1.0
-            em1 = 1.0 / am1 - 1.0
-        keep = _pair_keep(cbh, cqt, ckt, b_of, sq, skv, off, causal, window, first_valid, bool_mask)
-        d = (z * am1).sub_(tau_t[crt].unsqueeze(-1)).clamp_(min=0).mul_(keep)
+        am1 = am1_all[hrow] if mode == 0 else (0.5 if mode == 1 else 1.0)
+        d = (z * am1 - tau_f[qrow]).clamp_(min=0)
         if mode == 1:
-            u, p = d, d.square()
+            u, p = d, d * d
         elif mode == 2:
             u, p = (d > 0).to(ct), d
         else:
-            u = torch.where(d > 0, d.pow(em1), 0)
+            u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
             p = u * d
-        p = p.div_(norm_t[crt].unsqueeze(-1))
-        g = torch.bmm(dog, vg.transpose(1, 2))
-        uniq, inv = torch.unique_consecutive(crt, return_inverse=True)
-        su = torch.zeros(uniq.numel(), TILE, dtype=ct, device=dev).index_add_(0, inv, u.sum(-1))
-        sug = torch.zeros_like(su).index_add_(0, inv, (u * g).sum(-1))
+        p = p / norm_f[qrow]
+        g = _row_dots(doflat, qrow, vflat, krow)  # dO_i · v_j
+        r0 = int(qrow.min())
+        lr = qrow - r0
+        n_loc = int(qrow.max()) - r0 + 1
+        su = torch.zeros(n_loc, dtype=ct, device=dev).index_add_(0, lr, u)
+        sug = torch.zeros_like(su).index_add_(0, lr, u * g)
         delta = torch.where(su > 0, sug / torch.where(su > 0, su, 1), 0)
         if need_dalpha:
             plogp = torch.xlogy(p, p)
-            rows = torch.zeros(3, uniq.numel(), TILE, dtype=ct, device=dev)
-            rows[0].index_add_(0, inv, (g * p).sum(-1))
-            rows[1].index_add_(0, inv, (g * plogp).sum(-1))
-            rows[2].index_add_(0, inv, plogp.sum(-1))
-            am1_r = am1_all[(uniq // nqt) % hq].unsqueeze(-1) if mode == 0 else am1
-            da = (rows[0] - delta) / (am1_r * am1_r) - (rows[1] - delta * rows[2]) / am1_r
-            dalpha.index_add_(0, (uniq // nqt) % hq, da.sum(-1))
-        dz = g.sub_(delta[inv].unsqueeze(-1)).mul_(u)
+            sums = torch.zeros(3, n_loc, dtype=ct, device=dev)
+            sums[0].index_add_(0, lr, g * p)
+            sums[1].index_add_(0, lr, g * plogp)
+            sums[2].index_add_(0, lr, plogp)
+            h_loc = torch.div(r0 + torch.arange(n_loc, device=dev), rows_per_head, rounding_mode="floor") % hq
+            am1_r = am1_all[h_loc] if mode == 0 else am1
+            da = (sums[0] - delta) / (am1_r * am1_r) - (sums[1] - delta * sums[2]) / am1_r
+            acc[3].index_add_(0, h_loc, torch.where(su > 0, da, 0))
+        dz = (g - delta[lr]) * u
         if t is not None:
-            dz = dz.mul_(1 - t * t)
-        dq.index_add_(0, crt, torch.bmm(dz, kg).mul_(scale))
-        dk.index_add_(0, kv_tile, torch.bmm(dz.transpose(1, 2), qg).mul_(scale))
-        dv.index_add_(0, kv_tile, torch.bmm(p.transpose(1, 2), dog))
+            dz = dz * (1 - t * t)
+        dz = dz * scale
+        _gathered_rows_add(acc[0], qrow, kflat, krow, dz)
+        _gathered_rows_add(acc[1], krow, qflat, qrow, dz)
+        _gathered_rows_add(acc[2], krow, doflat, qrow, p)
+
+    # entries of the kept support lists
+    tasks = []
+    row_ok = None
+    if support is not None:
+        sk = support.reshape(b * hq, sq, -1)
+        overflow = sk[:, :, 0] == -2
+        bhi, ii, slot = ((sk >= 0) & ~overflow.unsqueeze(-1)).nonzero(as_tuple=True)
+        e_key = sk[bhi, ii, slot].long()
+        e_b = torch.div(bhi, hq, rounding_mode="floor")
+        e_qrow = bhi * rows_per_head + ii
+        e_krow = (e_b * hkv + torch.div(bhi % hq, rep, rounding_mode="floor")) * (nkt * TILE) + e_key
+        tasks += [("entries", lo, hi) for lo, hi in _entry_slices(e_qrow, _ENTRY_SLICE)]
+        row_ok = F.pad(overflow, (0, pq)).reshape(-1)
+    # non-zero tiles (rows without a kept list)
+    bh, qt, kt = (tiles.reshape(b * hq, nqt, nkt) == TILE_NONZERO).nonzero(as_tuple=True)
+    row_tile = bh * nqt + qt
+    if row_ok is not None:
+        sel = row_ok.view(-1, TILE).any(1)[row_tile]
+        bh, qt, kt, row_tile = bh[sel], qt[sel], kt[sel], row_tile[sel]
+    tasks += [("tiles", lo, hi) for lo, hi in _pair_chunks(row_tile)]
+
+    def tile_chunk(lo, hi, acc):
+        cbh, cqt, ckt, crt = bh[lo:hi], qt[lo:hi], kt[lo:hi], row_tile[lo:hi]
+        head = cbh % hq
+        b_of = torch.div(cbh, hq, rounding_mode="floor")
+        kv_tile = (b_of * hkv + torch.div(head, rep, rounding_mode="floor")) * nkt + ckt
+        kg = kt_.index_select(0, kv_tile)
+        z = torch.bmm(qt_.index_select(0, crt), kg.transpose(1, 2)).mul_(scale)  # (P, TILE, TILE)
+        s = torch.tanh(z / softcap) * softcap if softcap else z
+        s = s * (am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0))
+        pi, mi, ni = (s > tau_f.view(-1, TILE)[crt].unsqueeze(-1)).nonzero(as_tuple=True)
+        keep = _entry_visible(cqt[pi] * TILE + mi, ckt[pi] * TILE + ni, b_of[pi], sq, skv, off, causal, window,
+                              first_valid, bool_mask)
+        qrow = crt[pi] * TILE + mi
+        if row_ok is not None:
+            keep &= row_ok[qrow]
+        pi, mi, ni, qrow = pi[keep], mi[keep], ni[keep], qrow[keep]
+        if qrow.numel():
+            entry_grads(qrow, kv_tile[pi] * TILE + ni, z[pi, mi, ni], acc)
+
+    def run(task, acc):
+        kind, lo, hi = task
+        if kind == "tiles":
+            tile_chunk(lo, hi, acc)
+        else:
+            qrow, krow = e_qrow[lo:hi], e_krow[lo:hi]
+            entry_grads(qrow, krow, _row_dots(qflat, qrow, kflat, krow).mul_(scale), acc)
+
+    def init():
+        return [torch.zeros_like(qflat), torch.zeros_like(kflat), torch.zeros_like(kflat),
+                torch.zeros(hq, dtype=ct, device=dev)]
+
+    accs = _run_workers(tasks, run, init)
+    dq, dk, dv, dalpha = (sum(a[i] for a in accs[1:]) + accs[0][i] if len(accs) > 1 else accs[0][i]
+                          for i in range(4))
     return (
         dq.view(b, hq, nqt * TILE, dh)[:, :, :sq].to(q.dtype),
         dk.view(b, hkv, nkt * TILE, dh)[:, :, :skv].to(k.dtype),
