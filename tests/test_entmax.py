@@ -124,6 +124,25 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case):
         assert (a - r).abs().max() < 1e-9
 
 
+def test_threaded_backward_is_bit_identical_run_to_run(monkeypatch):
+    """Work split over worker threads never changes a sum's order: two runs give the same bits (fp32)."""
+    monkeypatch.setattr(tiles_cpu, "TILE", 4)
+    monkeypatch.setattr(tiles_cpu, "_ENTRY_SLICE", 7)  # many backward tasks for the workers
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = _qkv(1, 4, 2, 61, 61, dtype=torch.float32, grad=True)
+        g = torch.randn(1, 4, 61, q.shape[-1])
+        runs = []
+        for _ in range(3):
+            out = E.entmax_attention(q, k, v, None, alpha=1.5, scale=0.8)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    finally:
+        torch.set_num_threads(prev)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
 @pytest.mark.parametrize("std", [0.05, 3.0])  # flat rows (Newton on the full row) and peaked rows (top-k)
 @pytest.mark.parametrize("alpha", [1.1, 1.5, 2.0])
 def test_blockwise_fp32_paths(alpha, std):

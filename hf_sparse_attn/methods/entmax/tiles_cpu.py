@@ -59,8 +59,9 @@ _POOL_LOCK = threading.Lock()
 
 def _run_workers(tasks: list, fn, init) -> list:
     """Run ``fn(task, state)`` for every task on ``torch.get_num_threads()`` worker threads, each with its own
-    ``state = init()`` and torch single-threaded; tasks are handed out in order as workers free up. Returns the
-    states (one per worker). With one thread (or one task) everything runs here."""
+    ``state = init()`` and torch single-threaded; worker ``w`` runs tasks ``w, w + n, ...`` in order, so the
+    result is deterministic (bit-identical run to run). Returns the states (one per worker). With one thread
+    (or one task) everything runs here."""
     n = min(torch.get_num_threads(), len(tasks))
     if n <= 1:
         state = init()
@@ -72,17 +73,12 @@ def _run_workers(tasks: list, fn, init) -> list:
         if _POOL is None or _POOL._max_workers < n:
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hfsa-entmax")
         pool = _POOL
-    queue = iter(tasks)
-    lock = threading.Lock()
 
-    def work(_):
+    def work(w):  # a fixed share (every n-th task): the sums in each state never depend on thread timing
         state = init()
-        while True:
-            with lock:
-                t = next(queue, None)
-            if t is None:
-                return state
+        for t in tasks[w::n]:
             fn(t, state)
+        return state
 
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
