@@ -30,8 +30,8 @@ def test_bench_end_to_end_small(tmp_path):
     out = tmp_path / "b"
     bench.main([
         "--model", "smollm2", "--lengths", "256", "--layers", "0", "--reps", "1", "--no-backward", "--peers", "",
-        "--methods", "dense,bfla:min_seq_len=0;block_size=64;dense_density=0.0",
-        "--threads", "1", "--busy", "1", "--baseline", "patched",
+        "--methods", "dense,bfla:min_seq_len=0;block_size=64;dense_density=0.0", "--threads", "1", "--busy", "1",
+        "--baseline", "patched",
         "--out", str(out),
     ])
     res = json.loads((out / "bench.json").read_text())

@@ -144,7 +144,10 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
     plan = make_plan(q, k, first_valid=fv, config=config, **kw)
     dense_reason = _density_rule(q, k, v, plan, config)
     if dense_reason is not None:
-        log_once(f"bfla: a layer's {dense_reason}: it runs the exact dense path (set dense_density=1.0 to disable)")
+        log_once(
+            f"bfla: layers whose selected density exceeds dense_density={config.dense_density} run the exact dense "
+            "path (stats(): path, dense_reason; dense_density=1.0 disables the rule)"
+        )
         out = _dense(q, k, v, mask, causal=causal, **kw)
     else:
         out = attend(q, k, v, plan, config=config, **kw)
