@@ -45,7 +45,8 @@ _CHUNK_ELEMS = 1 << 21  # score elements (B·Hq·rows·keys) of one forward chun
 _PAIR_ELEMS = 1 << 20  # pair elements (pairs·TILE²) of one backward chunk
 SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
 _GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
-_ENTRY_SLICE = 1 << 15  # support entries per backward task
+_ENTRY_SLICE = 1 << 13  # support entries per backward task
+_NARROW = 16  # sorted entries per row the closed form looks at first
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
 _TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
 _MAX_UPDATES = 100
@@ -221,7 +222,15 @@ def _tau_closed_form(x: torch.Tensor, row: torch.Tensor, n_rows: int, mode: int)
     τ: the entmax of such a subset has the row's τ, and the sorted closed form is exact on it (padding at -2 lies
     below every τ). Rows without an entry get a meaningless value."""
     xs = _row_lists(x, row, n_rows, -2.0).sort(-1, descending=True).values
-    return _tau_sorted(xs, mode, 0.5 if mode == 1 else 1.0, None, 0).squeeze(-1)
+    am1 = 0.5 if mode == 1 else 1.0
+    if xs.shape[1] <= _NARROW:
+        return _tau_sorted(xs, mode, am1, None, 0).squeeze(-1)
+    # the first _NARROW entries of a row decide its τ unless the last of them is in their support
+    tau = _tau_sorted(xs[:, :_NARROW], mode, am1, None, 0).squeeze(-1)
+    wide = (xs[:, _NARROW - 1] > tau).nonzero().squeeze(1)
+    if wide.numel():
+        tau[wide] = _tau_sorted(xs.index_select(0, wide), mode, am1, None, 0).squeeze(-1)
+    return tau
 
 
 def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
