@@ -112,6 +112,7 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case):
     monkeypatch.setattr(tiles_cpu, "TILE", 4)  # many tiles
     monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
     monkeypatch.setattr(tiles_cpu, "_ENTRY_SLICE", 5)  # several entry slices, cut at row starts
+    monkeypatch.setattr(tiles_cpu, "_NARROW", 2)  # rows whose support outgrows the first sorted entries
     q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True)
     kw = dict(alpha=alpha, scale=0.8, softcap=softcap, sliding_window=window)
     out = E.entmax_attention(q, k, v, None, **kw)

@@ -46,6 +46,7 @@ _PAIR_ELEMS = 1 << 20  # pair elements (pairs·TILE²) of one backward chunk
 SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
 _GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
 _ENTRY_SLICE = 1 << 13  # support entries per backward task
+_NARROW = 16  # sorted entries per row the closed form looks at first
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
 _TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
 _MAX_UPDATES = 100
@@ -53,39 +54,42 @@ _MAX_UPDATES = 100
 _SUM_TOL = {torch.float32: 1e-5, torch.float64: 1e-13}
 _STEP_TOL = {torch.float32: 2e-7, torch.float64: 1e-15}
 
+_MAX_WORKERS: int | None = None  # cap on the worker threads (None: torch.get_num_threads())
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
 def _run_workers(tasks: list, fn, init) -> list:
-    """Run ``fn(task, state)`` for every task on ``torch.get_num_threads()`` worker threads, each with its own
-    ``state = init()`` and torch single-threaded; worker ``w`` runs tasks ``w, w + n, ...`` in order, so the
-    result is deterministic (bit-identical run to run). Returns the states (one per worker). With one thread
-    (or one task) everything runs here."""
-    n = min(torch.get_num_threads(), len(tasks))
-    if n <= 1:
-        state = init()
-        for t in tasks:
-            fn(t, state)
-        return [state]
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < n:
-            _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hfsa-entmax")
-        pool = _POOL
-
-    def work(w):  # a fixed share (every n-th task): the sums in each state never depend on thread timing
-        state = init()
-        for t in tasks[w::n]:
-            fn(t, state)
-        return state
-
+    """Run ``fn(task, state)`` for every task on up to ``torch.get_num_threads()`` worker threads, each with its
+    own ``state = init()``, torch single-threaded meanwhile (intra-op threads on these mid-sized ops cost more in
+    synchronisation than they gain). Worker ``w`` runs tasks ``w, w + n, ...`` in order, so every sum is taken in
+    the same order run to run (bit-identical results). Returns the states (one per worker)."""
+    n = min(torch.get_num_threads(), len(tasks), _MAX_WORKERS or len(tasks))
     prev = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if prev > 1:
+        torch.set_num_threads(1)
     try:
+        if n <= 1:
+            state = init()
+            for t in tasks:
+                fn(t, state)
+            return [state]
+        global _POOL
+        with _POOL_LOCK:
+            if _POOL is None or _POOL._max_workers < n:
+                _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hfsa-entmax")
+            pool = _POOL
+
+        def work(w):  # a fixed share: the sums in each state never depend on thread timing
+            state = init()
+            for t in tasks[w::n]:
+                fn(t, state)
+            return state
+
         return [f.result() for f in [pool.submit(work, i) for i in range(n)]]
     finally:
-        torch.set_num_threads(prev)
+        if prev > 1:
+            torch.set_num_threads(prev)
 
 
 def tile_grid(sq: int, skv: int) -> tuple[int, int]:
@@ -185,6 +189,18 @@ def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
     return tau.squeeze(-1).clamp_(min=-1.0)
 
 
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices (ascending) of the True entries of a contiguous bool tensor. Sparse masks are scanned eight
+    entries at a time (the mask viewed as int64 words, then only the words holding a True): ``nonzero`` costs a few
+    ns per element on CPU, and these masks are mostly False."""
+    m = mask.reshape(-1)
+    if m.numel() % 8 or m.storage_offset() % 8:
+        return m.nonzero().squeeze(1)
+    words = m.view(torch.int64).nonzero().squeeze(1)
+    hit, bit = m.view(-1, 8).index_select(0, words).nonzero(as_tuple=True)
+    return words[hit] * 8 + bit
+
+
 def _row_lists(x: torch.Tensor, row: torch.Tensor, n_rows: int, fill: float) -> torch.Tensor:
     """The entries ``x`` (E,) of rows ``row`` (non-decreasing) as a padded (n_rows, max entries per row) matrix."""
     counts = torch.bincount(row, minlength=n_rows)
@@ -201,7 +217,15 @@ def _tau_closed_form(x: torch.Tensor, row: torch.Tensor, n_rows: int, mode: int)
     τ: the entmax of such a subset has the row's τ, and the sorted closed form is exact on it (padding at -2 lies
     below every τ). Rows without an entry get a meaningless value."""
     xs = _row_lists(x, row, n_rows, -2.0).sort(-1, descending=True).values
-    return _tau_sorted(xs, mode, 0.5 if mode == 1 else 1.0, None, 0).squeeze(-1)
+    am1 = 0.5 if mode == 1 else 1.0
+    if xs.shape[1] <= _NARROW:
+        return _tau_sorted(xs, mode, am1, None, 0).squeeze(-1)
+    # the first _NARROW entries of a row decide its τ unless the last of them is in their support
+    tau = _tau_sorted(xs[:, :_NARROW], mode, am1, None, 0).squeeze(-1)
+    wide = (xs[:, _NARROW - 1] > tau).nonzero().squeeze(1)
+    if wide.numel():
+        tau[wide] = _tau_sorted(xs.index_select(0, wide), mode, am1, None, 0).squeeze(-1)
+    return tau
 
 
 def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
@@ -348,11 +372,14 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         thr = top + rel0 - _TAU0_MARGIN[ct] * top.abs().clamp(min=1)
         if live is not None:
             thr = torch.where(live, thr, float("inf"))
-        rr, tt = (tmax > thr.unsqueeze(1)).nonzero(as_tuple=True)
-        seg = s.view(n_rows * nt, TILE).index_select(0, rr * nt + tt)  # (C, TILE)
-        ci, cj = (seg > thr[rr].unsqueeze(1)).nonzero(as_tuple=True)
-        row, col = rr[ci], tt[ci] * TILE + cj  # grouped by row
-        x = seg.view(-1)[ci * TILE + cj] - top[row]
+        rt = _flat_nonzero(tmax > thr.unsqueeze(1))  # (row, key tile) pairs, flat
+        seg = s.view(n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
+        ce = _flat_nonzero(seg > thr[torch.div(rt, nt, rounding_mode="floor")].unsqueeze(1))
+        ci = torch.div(ce, TILE, rounding_mode="floor")
+        rt = rt[ci]
+        row = torch.div(rt, nt, rounding_mode="floor")  # grouped by row
+        col = (rt - row * nt) * TILE + (ce - ci * TILE)
+        x = seg.view(-1)[ce] - top[row]
         # 4. τ (relative to the row max)
         if mode:
             rel = _tau_closed_form(x, row, n_rows, mode)
@@ -538,8 +565,10 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
     if support is not None:
         sk = support.reshape(b * hq, sq, -1)
         overflow = sk[:, :, 0] == -2
-        bhi, ii, slot = ((sk >= 0) & ~overflow.unsqueeze(-1)).nonzero(as_tuple=True)
-        e_key = sk[bhi, ii, slot].long()
+        flat = _flat_nonzero((sk >= 0) & ~overflow.unsqueeze(-1))
+        e_key = sk.view(-1)[flat].long()
+        bhi = torch.div(flat, sq * sk.shape[2], rounding_mode="floor")
+        ii = torch.div(flat, sk.shape[2], rounding_mode="floor") % sq
         e_b = torch.div(bhi, hq, rounding_mode="floor")
         e_qrow = bhi * rows_per_head + ii
         e_krow = (e_b * hkv + torch.div(bhi % hq, rep, rounding_mode="floor")) * (nkt * TILE) + e_key
@@ -562,7 +591,10 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
         z = torch.bmm(qt_.index_select(0, crt), kg.transpose(1, 2)).mul_(scale)  # (P, TILE, TILE)
         s = torch.tanh(z / softcap) * softcap if softcap else z
         s = s * (am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0))
-        pi, mi, ni = (s > tau_f.view(-1, TILE)[crt].unsqueeze(-1)).nonzero(as_tuple=True)
+        flat = _flat_nonzero(s > tau_f.view(-1, TILE)[crt].unsqueeze(-1))
+        pi = torch.div(flat, TILE * TILE, rounding_mode="floor")
+        mi = torch.div(flat, TILE, rounding_mode="floor") % TILE
+        ni = flat % TILE
         keep = _entry_visible(cqt[pi] * TILE + mi, ckt[pi] * TILE + ni, b_of[pi], sq, skv, off, causal, window,
                               first_valid, bool_mask)
         qrow = crt[pi] * TILE + mi
