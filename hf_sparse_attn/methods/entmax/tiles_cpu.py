@@ -9,18 +9,21 @@ the output and the gradients cost O(entries · D), not O(tiles · TILE² · D).
 Forward, per chunk of query tiles (all batch items and heads at once; GQA without repeating K/V):
   1. one score product ``s = (α-1)·softcap(scale·q·kᵀ)`` over the chunk's visible keys, then the *tile maxima*
      ``max_j s`` per (row, key tile) (the row max falls out of it);
-  2. a lower bound ``τ₀`` of every row's τ: the exact τ of the row's largest tile maxima alone (a subset of the
-     row, so its root is ≤ τ*);
-  3. the entries with ``s > τ₀`` (a superset of the support) compacted into a flat list (one comparison pass);
+  2. a lower bound ``τ₀`` of every row's τ: three Newton steps from τ = -1 on the row's tile maxima alone (a
+     subset of the row, whose τ is ≤ τ*; Newton from the left stays left of it);
+  3. the (row, key tile) pairs whose maximum exceeds ``τ₀``, then their entries above ``τ₀`` (a superset of the
+     support) compacted into a flat list;
   4. τ on that list: exact sorted closed forms for α = 1.5 / 2 (any subset of a row that holds its support gives
      the row's τ), Newton from ``τ₀`` otherwise (monotone from the left, every row until ``|Σp - 1|`` converges);
   5. the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key, ``TILE_ZERO`` visible
      but all weights zero, ``TILE_NONZERO`` some weight > 0) and the output ``Σ p·v`` over the support entries
      (gathered V rows), normalised by the row sums.
-Backward, over the non-zero pairs of the stored tile mask only (τ and the row sums are loaded, never recomputed):
-one batched score product per chunk of pairs, the support entries ``s > τ`` compacted, then per entry
-``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered rows and
-``index_add_``.
+Backward (τ and the row sums are loaded, never recomputed): when a gradient is needed the forward keeps each row's
+support keys (int32, ``SUPPORT_KEYS`` per row), and the backward recomputes only those entries' scores
+(``q_i·k_j``), then ``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered
+rows and ``index_add_``: O(entries · D). Rows with a larger support (and calls without the lists) go over the
+non-zero pairs of the stored tile mask: one batched score product per chunk of pairs, the entries ``s > τ``
+compacted, then the same per-entry math.
 
 Threads: torch intra-op threads pay a synchronisation per op, and this path is many mid-sized ops, so chunks are
 spread over ``torch.get_num_threads()`` worker threads that run torch single-threaded (the ops release the GIL).
