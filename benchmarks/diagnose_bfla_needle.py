@@ -7,13 +7,16 @@ Modes (SmolLM2 by default, fp32, CPU)::
     # 2. diagnose one prompt: per-layer/KV-head needle-block keeps and attention-output error on the dense run's Q/K/V,
     #    hidden-state drift of the bfla run, and which layer groups lose the answer when only they run bfla
     .venv/bin/python benchmarks/diagnose_bfla_needle.py diagnose --length 6144 --text network --depth 0.37
+    # 3. the same diagnosis on one eval sample (RULER prompt; the needles are the sample's answer values)
+    .venv/bin/python benchmarks/diagnose_bfla_needle.py sample --samples OUT/samples/niah_multivalue_8192.jsonl \
+        --sample-id niah_multivalue-8192-3 --max-new 64
 
 Per layer (on the *dense* run's Q/K/V, so every number is the error one layer adds on its own):
 
 * ``err_all`` / ``err_needle``: relative attention-output error ``||O_bfla - O_dense||_F / ||O_dense||_F`` of each KV
   head's query group, over all rows / over the needle sentence's rows;
 * ``keep_needle``: fraction of the query blocks after the needle (last, dense block excluded) whose kept list holds
-  the needle's key block(s);
+  the needle's key block(s); with several needles (``sample`` mode: one per answer value) the smallest over them;
 * ``ret_mass``: the dense attention mass the question rows (the last block) give to the needle tokens (which heads
   retrieve the needle);
 * ``density`` per KV head.
@@ -92,8 +95,9 @@ def _bfla_conf(args) -> dict:
     return conf
 
 
-def _layer_analysis(q, k, v, scale, cfg, span, n_last: int) -> dict:
-    """Numbers of one layer on its dense Q/K/V (see the module docstring)."""
+def _layer_analysis(q, k, v, scale, cfg, spans, n_last: int) -> dict:
+    """Numbers of one layer on its dense Q/K/V (see the module docstring); ``spans``: token ``[start, end)`` of each
+    needle."""
     from hf_sparse_attn.methods import bfla
 
     o_d = bfla.dense_attention(q, k, v, None, scale=scale, causal=True)
@@ -101,54 +105,95 @@ def _layer_analysis(q, k, v, scale, cfg, span, n_last: int) -> dict:
     hkv, hq, sq = k.shape[1], q.shape[1], q.shape[2]
     rep = hq // hkv
     bs = cfg.block_size
-    n0, n1 = span
-    nblocks = list(range(n0 // bs, (n1 - 1) // bs + 1))
     nq = plan.counts.shape[-1]
-    later = range(nblocks[-1] + 1, nq - cfg.dense_last_blocks)
+    rows = [t for n0, n1 in spans for t in range(n0, n1)]
     valid = plan.valid.sum()
     # dense attention of the question rows (last n_last rows) on the needle tokens, per query head
     s = (q[0, :, -n_last:].float() @ k[0].repeat_interleave(rep, 0).float().transpose(-1, -2)) * scale
     s = s.masked_fill(torch.ones(n_last, sq, dtype=torch.bool).triu(sq - n_last + 1), float("-inf"))
     p = torch.softmax(s, dim=-1)
-    ret = p[:, :, n0:n1].sum(-1).mean(-1)  # (Hq,)
+    ret = p[:, :, rows].sum(-1).mean(-1)  # (Hq,)
     heads = []
     for h in range(hkv):
         g = slice(h * rep, (h + 1) * rep)
         dd, ds = o_d[0, g], o_s[0, g]
-        err_all = float((ds - dd).norm() / dd.norm())
-        err_needle = float((ds[:, n0:n1] - dd[:, n0:n1]).norm() / dd[:, n0:n1].norm())
-        kept = 0
-        for i in later:
-            ids = plan.ids[0, h, i, : int(plan.counts[0, h, i])].tolist()
-            kept += any(b in ids for b in nblocks)
+        keeps = []
+        for n0, n1 in spans:  # per needle: share of the later (sparse) query blocks that keep its key block(s)
+            nblocks = range(n0 // bs, (n1 - 1) // bs + 1)
+            later = range(nblocks[-1] + 1, nq - cfg.dense_last_blocks)
+            kept = sum(
+                any(b in plan.ids[0, h, i, : int(plan.counts[0, h, i])].tolist() for b in nblocks) for i in later
+            )
+            keeps.append(kept / max(1, len(later)))
         heads.append({
             "density": float(plan.counts[0, h].sum() / valid),
-            "err_all": err_all,
-            "err_needle": err_needle,
-            "keep_needle": kept / max(1, len(later)),
+            "err_all": float((ds - dd).norm() / dd.norm()),
+            "err_needle": float((ds[:, rows] - dd[:, rows]).norm() / dd[:, rows].norm()),
+            "keep_needle": min(keeps),
+            "keep_each": keeps,
             "ret_mass": float(ret[g].max()),
         })
     return {"heads": heads}
 
 
 def diagnose(args) -> dict:
-    from transformers import AttentionInterface
-
-    from hf_sparse_attn import integration, patch_model, prose
-    from hf_sparse_attn.methods import bfla
+    from hf_sparse_attn import prose
 
     model, tok = _load(args.model)
     p = prose.needle_prompt(tok, args.length, depth=args.depth, text=args.text, chat_template=args.chat_template)
-    span = prose.needle_token_span(tok, p)
+    print(f"# {args.model}, text {args.text}, depth {args.depth}", flush=True)
+    out = _diagnose_prompt(args, model, tok, p, [prose.needle_token_span(tok, p)], prose.answered)
+    return {"prompt": {k: p[k] for k in ("tokens", "depth", "text")}, **out}
+
+
+def value_token_spans(tokenizer, sample: dict) -> list[tuple[int, int]]:
+    """Token positions ``[start, end)`` of each answer value of an eval sample inside its prompt (first occurrence;
+    a value the prompt does not contain is a ValueError naming it)."""
+    enc = tokenizer(sample["input"], add_special_tokens=sample.get("add_special_tokens", True),
+                    return_offsets_mapping=True)
+    spans = []
+    for value in sample["answers"]:
+        c0 = sample["input"].find(value)
+        if c0 < 0:
+            raise ValueError(f"answer {value!r} of sample {sample['sample_id']!r} is not in its prompt")
+        toks = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > c0 and a < c0 + len(value)]
+        spans.append((toks[0], toks[-1] + 1))
+    return spans
+
+
+def diagnose_sample(args) -> dict:
+    """``diagnose`` on one eval sample (``--samples`` JSONL written by ``hf-sparse-attn eval``, ``--sample-id``);
+    the needles are the answer values, "found" is the eval's score of the answer (0-100)."""
+    from hf_sparse_attn.eval import ruler
+    from hf_sparse_attn.eval.runner import score_sample
+
+    samples = {s["sample_id"]: s for s in ruler.load_samples(args.samples)}
+    if args.sample_id not in samples:
+        raise SystemExit(f"--sample-id {args.sample_id!r} is not in {args.samples}; it has {sorted(samples)}")
+    s = samples[args.sample_id]
+    model, tok = _load(args.model)
+    spans = value_token_spans(tok, s)
+    print(f"# {args.model}, sample {args.sample_id}, answers {s['answers']}", flush=True)
+    out = _diagnose_prompt(args, model, tok, s, spans, lambda ans: score_sample(s, ans))
+    return {"sample_id": args.sample_id, "answers": s["answers"], **out}
+
+
+def _diagnose_prompt(args, model, tok, p: dict, spans: list[tuple[int, int]], found) -> dict:
+    """Per-layer analysis on the dense run, hidden drift of the bfla run, layer-group ablations of one prompt
+    (``p["input"]``, ``p["add_special_tokens"]``); ``found(answer)`` scores an answer."""
+    from transformers import AttentionInterface
+
+    from hf_sparse_attn import integration, patch_model
+    from hf_sparse_attn.methods import bfla
+
     ids = tok(p["input"], add_special_tokens=p["add_special_tokens"], return_tensors="pt").input_ids
     n_last = ids.shape[1] - (ids.shape[1] - 1) // 128 * 128  # rows of the last (dense) query block
-    print(f"# {args.model}, text {args.text}, depth {args.depth}, {ids.shape[1]} tokens, needle tokens {span}, "
-          f"bfla {_bfla_conf(args)}", flush=True)
+    print(f"# {ids.shape[1]} tokens, needle tokens {spans}, bfla {_bfla_conf(args)}", flush=True)
     cfg = bfla.BflaConfig(**{**_bfla_conf(args), "min_seq_len": 0})
     per_layer: dict[int, dict] = {}
 
     def hook(module, q, k, v, mask, **kw):
-        per_layer[module.layer_idx] = _layer_analysis(q.detach(), k.detach(), v.detach(), kw["scaling"], cfg, span,
+        per_layer[module.layer_idx] = _layer_analysis(q.detach(), k.detach(), v.detach(), kw["scaling"], cfg, spans,
                                                       n_last)
         return integration.hf_sparse_attn_forward(module, q, k, v, mask, **kw)
 
@@ -162,15 +207,16 @@ def diagnose(args) -> dict:
         integration.register()
         handle.remove()
     print(f"# dense run + per-layer analysis: {time.perf_counter() - t0:.0f}s", flush=True)
-    hd = [h[0, list(range(*span)) + [-1]] for h in hd]
+    rows = [t for a, b in spans for t in range(a, b)] + [-1]  # needle tokens, then the last token
+    hd = [h[0, rows] for h in hd]
     handle = patch_model(model, method="bfla", **_bfla_conf(args))
     try:
         with torch.no_grad():
             hb = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
     finally:
         handle.remove()
-    hb = [h[0, list(range(*span)) + [-1]] for h in hb]
-    n = span[1] - span[0]
+    hb = [h[0, rows] for h in hb]
+    n = len(rows) - 1
     print("layer | per KV head: density  err_all  err_needle  keep_needle  ret_mass | hidden drift needle / last")
     drift = []
     for i in sorted(per_layer):
@@ -183,16 +229,20 @@ def diagnose(args) -> dict:
             for h in per_layer[i]["heads"]
         )
         print(f"{i:5d} | {cells} | {dn:.3f} / {dl:.3f}", flush=True)
+    answers = {}
+    for method in ("dense", "bfla") if args.answers else ():
+        ans, _, dens = _run(model, tok, p, method, args.max_new, **(_bfla_conf(args) if method == "bfla" else {}))
+        answers[method] = {"answer": ans, "found": found(ans), "density": dens}
+        print(f"{method}: {ans!r} found={found(ans)} density {dens:.3f}", flush=True)
     ablations = []
     for group in (args.groups or "").split(";"):
         if not group:
             continue
         layers = _parse_layers(group)
         ans, _, dens = _run(model, tok, p, "bfla", args.max_new, layers=layers, **_bfla_conf(args))
-        ablations.append({"layers": group, "answer": ans, "found": prose.answered(ans), "density": dens})
-        print(f"bfla on layers {group:>10s} only: {ans!r} found={prose.answered(ans)} density {dens:.3f}", flush=True)
-    return {"prompt": {k: p[k] for k in ("tokens", "depth", "text")}, "span": span, "layers": per_layer,
-            "drift": drift, "ablations": ablations}
+        ablations.append({"layers": group, "answer": ans, "found": found(ans), "density": dens})
+        print(f"bfla on layers {group:>10s} only: {ans!r} found={found(ans)} density {dens:.3f}", flush=True)
+    return {"spans": spans, "layers": per_layer, "drift": drift, "answers": answers, "ablations": ablations}
 
 
 def _parse_layers(text: str) -> list[int]:
@@ -205,7 +255,9 @@ def _parse_layers(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["search", "diagnose"])
+    ap.add_argument("mode", choices=["search", "diagnose", "sample"])
+    ap.add_argument("--samples", help="sample mode: the eval's samples JSONL (OUT/samples/TASK_LENGTH.jsonl)")
+    ap.add_argument("--sample-id", help="sample mode: the sample_id to diagnose")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--length", type=int, default=6144)
     ap.add_argument("--texts", default="network,data,concurrency,tools")
@@ -217,12 +269,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--groups", default="0-9;10-19;20-29", help="';'-separated layer groups for the ablation")
+    ap.add_argument("--answers", action="store_true", help="also decode the dense and the bfla answer")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = search(args) if args.mode == "search" else diagnose(args)
+    out = {"search": search, "diagnose": diagnose, "sample": diagnose_sample}[args.mode](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

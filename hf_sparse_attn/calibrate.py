@@ -27,11 +27,21 @@ from typing import Any
 import torch
 
 DEFAULT_LEVELS = (0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995)
+DEFAULT_ERROR_ROWS = 16  # query rows per block on which the error is measured (None: all rows, slow)
 CALIBRATION_TEXTS = ("tools", "data", "concurrency")  # prose texts; the diagnosis / tests use "network" too
 
 
-def _layer_errors(q, k, v, scale, softcap, base, levels) -> dict[float, tuple[list[float], list[float]]]:
-    """{level: (error per KV head, density per KV head)} of one layer on its dense Q/K/V."""
+def _layer_errors(
+    q, k, v, scale, softcap, base, levels, error_rows: int | None = None
+) -> dict[float, tuple[list[float], list[float]]]:
+    """{level: (error per KV head, density per KV head)} of one layer on its dense Q/K/V.
+
+    ``error_rows``: query rows per query block on which the error is measured (:func:`error_row_sample`); the
+    estimate is made once and only the selection is redone per level, then the sampled rows attend densely and
+    inside each level's kept tiles. None: every row, through ``bfla_attention`` itself (slow: the whole sparse
+    attention per level)."""
+    if error_rows is not None:
+        return _layer_errors_sampled(q, k, v, scale, softcap, base, levels, error_rows)
     from .methods import bfla
 
     o_d = bfla.dense_attention(q, k, v, None, scale=scale, causal=True, softcap=softcap)
@@ -48,6 +58,53 @@ def _layer_errors(q, k, v, scale, softcap, base, levels) -> dict[float, tuple[li
             errs.append(float((o_s[:, g] - o_d[:, g]).norm() / o_d[:, g].norm().clamp_min(1e-30)))
             dens.append(float(plan.counts[:, h].sum()) / (valid * plan.counts.shape[0]))
         out[level] = (errs, dens)
+    return out
+
+
+def error_row_sample(sq: int, block_size: int, per_block: int, seed: int = 0) -> torch.Tensor:
+    """Sorted row indices ``(n,)``: ``per_block`` distinct rows of every query block (all rows of a shorter block),
+    drawn with a fixed generator, so they are not the estimator's stratum middles (on those the estimate is
+    exact and the error would be biased low)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for start in range(0, sq, block_size):
+        length = min(block_size, sq - start)
+        rows.append(torch.randperm(length, generator=g)[: min(per_block, length)] + start)
+    return torch.cat(rows).sort().values
+
+
+def _layer_errors_sampled(q, k, v, scale, softcap, base, levels, per_block):
+    """:func:`_layer_errors` on sampled query rows: the relative error over those rows of each KV head's group."""
+    from .methods import bfla
+    from .methods.bfla.estimate import _scores
+    from .methods.bfla.select import select_plan
+    from .tiles import BflaPlan, plan_keep
+
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep, bs = hq // hkv, base.block_size
+    rows = error_row_sample(sq, bs, per_block).to(q.device)
+    n = rows.numel()
+    s = _scores(q[:, :, rows].reshape(b, hkv, rep * n, d), k, scale, softcap).view(b, hkv, rep, n, skv)
+    causal = torch.arange(skv, device=q.device)[None, :] <= (rows + (skv - sq))[:, None]  # (n, Skv)
+    s.masked_fill_(~causal, float("-inf"))
+    vf = v.float()[:, :, None]  # (B,Hkv,1,Skv,Dv)
+    o_d = torch.softmax(s, dim=-1) @ vf  # (B,Hkv,rep,n,Dv)
+    norm_d = o_d.square().sum((0, 2, 3, 4)).sqrt().clamp_min(1e-30)  # (Hkv,)
+    cfg0 = dataclasses.replace(base, keep_mass=0.5, min_seq_len=0, profile=None)
+    mass = bfla.estimate_block_mass(q, k, scale=scale, softcap=softcap, config=cfg0)  # the same for every level
+    out = {}
+    for level in levels:
+        cfg = dataclasses.replace(cfg0, keep_mass=level)
+        counts, ids = select_plan(mass, batch=b, kv_heads=hkv, sq=sq, skv=skv, sliding_window=None, config=cfg)
+        plan = BflaPlan(counts, ids, None, bs, skv - sq, None)
+        tiles = plan_keep(plan)[:, :, rows // bs]  # (B,Hkv,n,NK): each sampled row's kept key blocks
+        tok = tiles.repeat_interleave(bs, dim=-1)[..., :skv] & causal  # (B,Hkv,n,Skv)
+        o_s = torch.softmax(s.masked_fill(~tok[:, :, None], float("-inf")), dim=-1) @ vf
+        err = (o_s - o_d).square().sum((0, 2, 3, 4)).sqrt() / norm_d
+        valid = bfla.block_valid(sq, skv, bs, None, q.device).sum().item()
+        dens = (counts.sum((0, 2)).float() / (valid * b)).tolist()
+        out[level] = (err.tolist(), dens)
     return out
 
 
@@ -70,10 +127,12 @@ def calibration_inputs(tokenizer, lengths: list[int], prompts: int = 1) -> list[
 
 
 def measure(
-    model, inputs: list[torch.Tensor], *, levels=DEFAULT_LEVELS, config=None, progress: bool = True
+    model, inputs: list[torch.Tensor], *, levels=DEFAULT_LEVELS, config=None, progress: bool = True,
+    error_rows: int | None = DEFAULT_ERROR_ROWS,
 ) -> dict[int, dict[float, dict[str, list]]]:
     """Run the model densely on ``inputs`` (token ids ``(1, S)`` each); returns ``{layer: {level: {"error": [[per
-    KV head] per input], "density": [[per KV head] per input]}}}`` for every layer bfla may sparsify."""
+    KV head] per input], "density": [[per KV head] per input]}}}`` for every layer bfla may sparsify.
+    ``error_rows``: see :func:`_layer_errors`."""
     from tqdm.auto import tqdm
     from transformers import AttentionInterface
 
@@ -93,7 +152,8 @@ def measure(
     def hook(module, q, k, v, mask, **kw):
         state = getattr(module, integration.STATE_ATTR, None)
         if state is not None and state.sparse_eligible and q.shape[2] > 1:
-            res = _layer_errors(q.detach(), k.detach(), v.detach(), kw["scaling"], kw.get("softcap"), base, levels)
+            res = _layer_errors(q.detach(), k.detach(), v.detach(), kw["scaling"], kw.get("softcap"), base, levels,
+                                error_rows)
             for level, (errs, dens) in res.items():
                 found[state.layer_idx][level]["error"].append(errs)
                 found[state.layer_idx][level]["density"].append(dens)
@@ -138,10 +198,12 @@ def choose(found, target_error: float) -> dict[str, dict[str, list[float]]]:
 def calibrate(
     model, tokenizer, lengths: list[int], *, target_error: float = 0.05, levels=DEFAULT_LEVELS, prompts: int = 1,
     config=None, progress: bool = True, inputs: list[torch.Tensor] | None = None,
+    error_rows: int | None = DEFAULT_ERROR_ROWS,
 ) -> dict[str, Any]:
     """Measure (:func:`measure`) and build a profile dict (see :mod:`hf_sparse_attn.methods.bfla.profile`).
 
-    ``inputs``: token ids to calibrate on instead of the prose prompts (``tokenizer`` may then be None)."""
+    ``inputs``: token ids to calibrate on instead of the prose prompts (``tokenizer`` may then be None).
+    ``error_rows``: query rows per block the error is measured on (None: all rows; see :func:`_layer_errors`)."""
     from .methods import bfla
     from .methods.bfla import profile as prof
 
@@ -153,11 +215,13 @@ def calibrate(
         raise ValueError(f"target_error={target_error!r} is out of range; allowed: a number in (0, 1)")
     if prompts < 1:
         raise ValueError(f"prompts={prompts!r} is out of range; allowed: an integer >= 1")
+    if error_rows is not None and not 1 <= error_rows:
+        raise ValueError(f"error_rows={error_rows!r} is out of range; allowed: None (all rows) or an integer >= 1")
     base = config or bfla.BflaConfig()
     t0 = time.perf_counter()
     if inputs is None:
         inputs = calibration_inputs(tokenizer, lengths, prompts)
-    found = measure(model, inputs, levels=levels, config=base, progress=progress)
+    found = measure(model, inputs, levels=levels, config=base, progress=progress, error_rows=error_rows)
     text_config = model.config.get_text_config()
     layers = choose(found, target_error)
     return {
@@ -170,6 +234,7 @@ def calibrate(
         "lengths": [int(n) for n in lengths],
         "prompts": prompts,
         "levels": sorted(float(x) for x in levels),
+        "error_rows": error_rows,
         "base_config": {k: v for k, v in base.to_dict().items() if k not in ("keep_mass", "profile")},
         "mean_density": sum(sum(e["density"]) / len(e["density"]) for e in layers.values()) / len(layers),
         "seconds": round(time.perf_counter() - t0, 1),
@@ -188,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="largest relative attention-output error per layer and KV head (default 0.05)")
     ap.add_argument("--levels", default=",".join(str(x) for x in DEFAULT_LEVELS), help="candidate keep_mass values")
     ap.add_argument("--prompts", type=int, default=1, help="calibration prompts per length")
+    ap.add_argument("--error-rows", type=int, default=DEFAULT_ERROR_ROWS,
+                    help="query rows per block the error is measured on (default %(default)s; 0: all rows, slow)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = ap.parse_args(argv)
@@ -206,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = load(args.model, dtype=getattr(torch, args.dtype))
     model.eval()
-    data = calibrate(model, tok, lengths, target_error=args.target_error, levels=levels, prompts=args.prompts)
+    data = calibrate(model, tok, lengths, target_error=args.target_error, levels=levels, prompts=args.prompts,
+                     error_rows=args.error_rows or None)
     from .methods.bfla.profile import write_profile
 
     write_profile(data, args.out)

@@ -144,3 +144,35 @@ def test_profile_errors_are_clear(llama, tmp_path):
     from hf_sparse_attn.integration import STATE_ATTR
 
     assert not any(hasattr(mod, STATE_ATTR) for mod in llama.modules())  # a failed patch leaves no layer state
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_sampled_error_rows_all_rows_equal_the_full_sparse_attention(softcap):
+    """The fast calibration error (estimate once, reselect per level, attend on sampled rows) with every row of
+    every block sampled is the error of ``bfla_attention`` itself (same plan, same kept tiles)."""
+    from hf_sparse_attn.calibrate import _layer_errors, error_row_sample
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 150, 8, generator=g) for h in (4, 2, 2))
+    cfg = bfla.BflaConfig(block_size=BS, min_seq_len=0, flat_entropy=1.0)  # no flat-head rescue: tiles get dropped
+    levels = (0.5, 0.8, 0.95)
+    full = _layer_errors(q, k, v, 1.0, softcap, cfg, levels, error_rows=None)
+    fast = _layer_errors(q, k, v, 1.0, softcap, cfg, levels, error_rows=BS)
+    for level in levels:
+        assert fast[level][1] == pytest.approx(full[level][1], abs=1e-6)  # densities: the same plan
+        assert fast[level][0] == pytest.approx(full[level][0], rel=1e-4, abs=1e-6)
+    assert min(full[0.5][0]) > 1e-2  # the low level really drops tiles
+    rows = error_row_sample(150, BS, 3)
+    assert rows.numel() == 3 * 10 and len(set(rows.tolist())) == 30  # 10 blocks (the last has 6 rows)
+    assert torch.equal(rows // BS, torch.arange(10).repeat_interleave(3))
+
+
+def test_calibrate_sampled_rows_profile_round_trips(llama, tmp_path):
+    cfg = bfla.BflaConfig(block_size=BS, flat_entropy=1.0, min_seq_len=0)
+    data = calibrate(llama, None, [], target_error=0.05, levels=(0.5, 0.8, 0.95), config=cfg, inputs=_inputs(),
+                     progress=False, error_rows=4)
+    assert data["error_rows"] == 4
+    path = write_profile(data, tmp_path / "fast.profile.json")
+    assert load_profile(path)["layers"] == json.loads(json.dumps(data["layers"]))
+    with pytest.raises(ValueError, match="error_rows=0"):
+        calibrate(llama, None, [], levels=(0.5,), config=cfg, inputs=_inputs(), progress=False, error_rows=0)
