@@ -71,8 +71,9 @@ def _tile_valid(qb, kb, SQ, SKV, NK, q_offset, window, fv, BLOCK_SIZE: tl.conste
 
 @triton.jit
 def _quantize_unit(x, SCALE: tl.constexpr):
-    """int32 ``round-half-up(clamp(x, 0, 1) * SCALE)`` (``SCALE`` a power of two): exact, as ``quantize_unit``."""
-    x = tl.minimum(tl.maximum(x, 0.0), 1.0) * SCALE
+    """int32 ``round-half-up(clamp(x, 0, 1) * SCALE)`` (``SCALE`` a power of two; NaN: 0): exact, as
+    ``quantize_unit``."""
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), 0.0), 1.0) * SCALE
     f = tl.floor(x)
     return f.to(tl.int32) + (x - f >= 0.5).to(tl.int32)
 

@@ -168,6 +168,7 @@ def _select_inputs(case):
         mass = _estimate_rows(q, k, 32**-0.5, None, bs, 4, window or None, fv) * rvalid
     elif kind == "ties":
         mass = _tie_mass(b, hq, sq, skv, bs, rvalid)
+        mass[0, 0, -1, 0] = float("nan")  # a NaN mass counts as 0 in both paths
     else:
         mass = _flat_mass(b, hq, sq, skv, bs, rvalid)
     if min(bfla.select._as_tuple(cfg.keep_mass)) >= 1.0:
