@@ -87,3 +87,17 @@ def test_pool_ops_are_single_threaded_and_take_the_callers_modes():
         out = torch.zeros(4)
         parallel_map(lambda i: out[i].fill_(i), range(4), 2)
     assert out.tolist() == [0, 1, 2, 3]
+
+
+def test_a_forked_child_builds_its_own_pool():
+    """A child forked after the pool exists (e.g. a DataLoader worker) gets no threads of its parent's pool."""
+    import multiprocessing as mp
+
+    parallel_map(lambda i: i, range(4), 2)  # the parent's pool exists
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_child_sum).get(timeout=60) == 12
+
+
+def _child_sum():
+    return sum(parallel_map(lambda i: i * 2, range(4), 2))

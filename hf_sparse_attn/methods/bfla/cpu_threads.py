@@ -15,6 +15,7 @@ section (:func:`single_threaded_ops`).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 _POOL: ThreadPoolExecutor | None = None
-_POOL_WORKERS = 0
+_POOL_KEY: tuple[int, int] = (0, 0)  # (workers, pid): a forked child does not inherit the threads, it builds its own
 _POOL_LOCK = threading.Lock()
 
 
@@ -33,14 +34,16 @@ def _init_worker() -> None:
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """The process-wide pool of ``workers`` threads (rebuilt when the requested size changes)."""
-    global _POOL, _POOL_WORKERS
+    """The process-wide pool of ``workers`` threads (rebuilt when the requested size changes, and in a forked
+    child, whose copy of the pool has no threads)."""
+    global _POOL, _POOL_KEY
+    key = (workers, os.getpid())
     with _POOL_LOCK:
-        if _POOL is None or _POOL_WORKERS != workers:
-            if _POOL is not None:
+        if _POOL is None or _POOL_KEY != key:
+            if _POOL is not None and _POOL_KEY[1] == key[1]:
                 _POOL.shutdown(wait=True)
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bfla-cpu", initializer=_init_worker)
-            _POOL_WORKERS = workers
+            _POOL_KEY = key
         return _POOL
 
 
