@@ -5,7 +5,8 @@
 #   bash examples/retrieval_recipe.sh                          # all four, defaults below
 #   METHODS="entmax dense" STEPS=40 SEQ_LEN=512 bash examples/retrieval_recipe.sh
 #   EVAL=1 bash examples/retrieval_recipe.sh                   # + RULER at 1x, 2x, 4x the training length
-# (vt needs SEQ_LEN >= 768; drop it from TASKS for shorter runs)
+# (vt needs SEQ_LEN >= 768; drop it from TASKS for shorter runs). On a shared, oversubscribed CPU use
+# OMP_NUM_THREADS=1: with 2 threads on a 2-core machine at load ~10, entmax ran several times slower.
 #
 # Data (identical for every method; seeded): half the training sequences are RULER retrieval samples (prompt + gold
 # answers; loss on the answers only), half are plain-text windows of the Paul Graham essays. The essays that
@@ -22,6 +23,7 @@ METHODS=${METHODS:-"entmax asentmax ssmax dense"}
 SEQ_LEN=${SEQ_LEN:-2048}
 STEPS=${STEPS:-300}
 ANNEAL=${ANNEAL:-$(( STEPS / 5 ))}
+WARMUP=${WARMUP:-$(( STEPS / 20 ))}
 TRAIN_SAMPLES=${TRAIN_SAMPLES:-$(( STEPS ))}
 EVAL_SAMPLES=${EVAL_SAMPLES:-16}
 HELDOUT_LENGTH=${HELDOUT_LENGTH:-8192}
@@ -35,7 +37,7 @@ COMMON=(
   --synthetic-retrieval --synthetic-tasks "$TASKS" --text-essays --retrieval-fraction 0.5
   --heldout-length "$HELDOUT_LENGTH" --num-train-samples "$TRAIN_SAMPLES" --num-eval-samples "$EVAL_SAMPLES"
   --loss-on answer
-  --lora --lora-r 16 --lora-alpha 32 --lr 3e-4 --method-lr 1e-2 --lr-schedule cosine --warmup-steps 5
+  --lora --lora-r 16 --lora-alpha 32 --lr 3e-4 --method-lr 1e-2 --lr-schedule cosine --warmup-steps "$WARMUP"
   --batch-size 1 --gradient-checkpointing --no-progress --log-every 10 --seed 0
 )
 
