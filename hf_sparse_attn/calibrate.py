@@ -25,9 +25,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 DEFAULT_LEVELS = (0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995)
-DEFAULT_ERROR_ROWS = 16  # query rows per block on which the error is measured (None: all rows, slow)
+DEFAULT_ERROR_ROWS = 8  # query rows per block on which the error is measured (None: all rows, slow)
 CALIBRATION_TEXTS = ("tools", "data", "concurrency")  # prose texts; the diagnosis / tests use "network" too
 
 
@@ -74,38 +75,57 @@ def error_row_sample(sq: int, block_size: int, per_block: int, seed: int = 0) ->
 
 
 def _layer_errors_sampled(q, k, v, scale, softcap, base, levels, per_block):
-    """:func:`_layer_errors` on sampled query rows: the relative error over those rows of each KV head's group."""
+    """:func:`_layer_errors` on sampled query rows: the relative error over those rows of each KV head's group.
+
+    Each sampled row's softmax is split per key block once: ``z[row, J]`` (sum of ``exp(s - row max)`` over the
+    block) and ``num[row, J]`` (the same weights times V); a level's output is ``sum_kept num / sum_kept z``, the
+    dense output the sum over all blocks, so the levels cost only their selection."""
     from .methods import bfla
-    from .methods.bfla.estimate import _scores
+    from .methods.bfla.estimate import _row_chunk, _scores
     from .methods.bfla.select import select_plan
-    from .tiles import BflaPlan, plan_keep
+    from .tiles import BflaPlan, _cdiv, plan_keep
 
     b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
+    hkv, skv, dv = k.shape[1], k.shape[2], v.shape[-1]
     rep, bs = hq // hkv, base.block_size
     rows = error_row_sample(sq, bs, per_block).to(q.device)
-    n = rows.numel()
-    s = _scores(q[:, :, rows].reshape(b, hkv, rep * n, d), k, scale, softcap).view(b, hkv, rep, n, skv)
-    causal = torch.arange(skv, device=q.device)[None, :] <= (rows + (skv - sq))[:, None]  # (n, Skv)
-    s.masked_fill_(~causal, float("-inf"))
-    vf = v.float()[:, :, None]  # (B,Hkv,1,Skv,Dv)
-    o_d = torch.softmax(s, dim=-1) @ vf  # (B,Hkv,rep,n,Dv)
-    norm_d = o_d.square().sum((0, 2, 3, 4)).sqrt().clamp_min(1e-30)  # (Hkv,)
     cfg0 = dataclasses.replace(base, keep_mass=0.5, min_seq_len=0, profile=None)
     mass = bfla.estimate_block_mass(q, k, scale=scale, softcap=softcap, config=cfg0)  # the same for every level
-    out = {}
+    valid = float(bfla.block_valid(sq, skv, bs, None, q.device).sum()) * b
+    keeps, out = {}, {}
     for level in levels:
-        cfg = dataclasses.replace(cfg0, keep_mass=level)
-        counts, ids = select_plan(mass, batch=b, kv_heads=hkv, sq=sq, skv=skv, sliding_window=None, config=cfg)
-        plan = BflaPlan(counts, ids, None, bs, skv - sq, None)
-        tiles = plan_keep(plan)[:, :, rows // bs]  # (B,Hkv,n,NK): each sampled row's kept key blocks
-        tok = tiles.repeat_interleave(bs, dim=-1)[..., :skv] & causal  # (B,Hkv,n,Skv)
-        o_s = torch.softmax(s.masked_fill(~tok[:, :, None], float("-inf")), dim=-1) @ vf
-        err = (o_s - o_d).square().sum((0, 2, 3, 4)).sqrt() / norm_d
-        valid = bfla.block_valid(sq, skv, bs, None, q.device).sum().item()
-        dens = (counts.sum((0, 2)).float() / (valid * b)).tolist()
-        out[level] = (err.tolist(), dens)
-    return out
+        counts, ids = select_plan(
+            mass, batch=b, kv_heads=hkv, sq=sq, skv=skv, sliding_window=None,
+            config=dataclasses.replace(cfg0, keep_mass=level),
+        )
+        keeps[level] = plan_keep(BflaPlan(counts, ids, None, bs, skv - sq, None))[:, :, rows // bs].float()
+        out[level] = [(counts[:, h].sum().item() / valid) for h in range(hkv)]
+    del mass
+    sq_err = {level: torch.zeros(hkv) for level in levels}
+    norm = torch.zeros(hkv)
+    step = max(1, _row_chunk(1, hq, skv) // 2)
+    for c0 in range(0, rows.numel(), step):
+        r = rows[c0 : c0 + step]
+        m = r.numel()
+        nk = _cdiv(int(r[-1]) + skv - sq + 1, bs)  # causal trimming: the key blocks the chunk's last row sees
+        k1 = min(skv, nk * bs)
+        s = _scores(q[:, :, r].reshape(b, hkv, rep * m, d), k[:, :, :k1], scale, softcap)
+        s = F.pad(s, (0, nk * bs - k1), value=float("-inf")).view(b, hkv, rep * m, nk * bs)
+        s.masked_fill_((torch.arange(nk * bs, device=q.device) > (r + skv - sq)[:, None]).repeat(rep, 1),
+                       float("-inf"))
+        p = (s - s.amax(-1, keepdim=True)).exp_().view(b, hkv, rep * m, nk, bs)
+        vb = F.pad(v[:, :, :k1].float(), (0, 0, 0, nk * bs - k1)).view(b, hkv, nk, bs, dv)
+        z = p.sum(-1).view(b, hkv, rep, m, nk)
+        num = (p.permute(0, 1, 3, 2, 4) @ vb).view(b, hkv, nk, rep, m, dv).permute(0, 1, 3, 4, 2, 5)
+        del s, p
+        o_d = num.sum(4) / z.sum(4)[..., None]  # (B,Hkv,rep,m,Dv)
+        norm += o_d.square().sum((0, 2, 3, 4))
+        for level in levels:
+            w = keeps[level][:, :, c0 : c0 + m, :nk][:, :, None]  # (B,Hkv,1,m,NK)
+            o_s = (num * w[..., None]).sum(4) / (z * w).sum(4)[..., None]
+            sq_err[level] += (o_s - o_d).square().sum((0, 2, 3, 4))
+    norm = norm.sqrt().clamp_min(1e-30)
+    return {level: ((sq_err[level].sqrt() / norm).tolist(), out[level]) for level in levels}
 
 
 def calibration_inputs(tokenizer, lengths: list[int], prompts: int = 1) -> list[torch.Tensor]:
