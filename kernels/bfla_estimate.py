@@ -63,6 +63,26 @@ def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs
     return tl.where(ok, s, float("-inf"))
 
 
+@triton.jit
+def _sample_rows(Q, b, hkv, tile, qblk0, sqb, sqh, sqm, sqd, REP, SQ, R, offs_m, offs_d, d_ok,
+                 BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr):
+    """The program's stacked sample rows: row m is sample ``m % R_PAD`` (of R, centred in R equal strides) of query
+    block ``qblk0 + (m // R_PAD) // HPT``, query head ``tile * HPT + (m // R_PAD) % HPT`` of KV group ``hkv``.
+    Returns (row_ok, row (query index), hq (query head), q (BLOCK_M, D_PAD) loaded, zeros where not row_ok)."""
+    group = offs_m // R_PAD
+    head = tile * HPT + group % HPT  # head inside the KV group
+    samp = offs_m % R_PAD
+    start = (qblk0 + group // HPT) * BLOCK_SIZE
+    length = tl.minimum(SQ - start, BLOCK_SIZE)  # <= 0 past the last query block
+    row_ok = (samp < R) & (head < REP) & (length > 0)
+    row = start + ((2 * samp + 1) * length) // (2 * R)
+    row = tl.where(row_ok, row, 0)
+    hq = hkv * REP + tl.where(row_ok, head, 0)
+    q = tl.load(Q + b * sqb + hq[:, None] * sqh + row[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return row_ok, row, hq, q
+
+
 @triton.jit(do_not_specialize=["smb", "smh", "smq", "SQ", "SKV", "q_offset", "window", "R"])
 def _bfla_estimate_kernel(
     Q, K, MASS, FV,
@@ -83,19 +103,11 @@ def _bfla_estimate_kernel(
     hkv = pid_bh % HKV
 
     offs_m = tl.arange(0, BLOCK_M)
-    group = offs_m // R_PAD  # row m: query block qblk0 + group // HPT, head group % HPT, sample m % R_PAD
-    head = tile * HPT + group % HPT  # head inside the KV group
-    samp = offs_m % R_PAD
-    start = (qblk0 + group // HPT) * BLOCK_SIZE
-    length = tl.minimum(SQ - start, BLOCK_SIZE)  # <= 0 past the last query block
-    row_ok = (samp < R) & (head < REP) & (length > 0)
-    row = start + ((2 * samp + 1) * length) // (2 * R)
-    row = tl.where(row_ok, row, 0)
-    hq = hkv * REP + tl.where(row_ok, head, 0)
+    group = offs_m // R_PAD  # (query block, head) pair of each stacked row (see _sample_rows)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + b * sqb + hq[:, None] * sqh + row[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    row_ok, row, hq, q = _sample_rows(Q, b, hkv, tile, qblk0, sqb, sqh, sqm, sqd, REP, SQ, R, offs_m, offs_d, d_ok,
+                                      BLOCK_SIZE, R_PAD, HPT)
     q_abs = row + q_offset
     q_first = qblk0 * BLOCK_SIZE + q_offset
     q_last = tl.minimum(SQ, (qblk0 + QBP) * BLOCK_SIZE) - 1 + q_offset  # < SKV

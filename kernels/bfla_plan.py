@@ -44,7 +44,7 @@ from hf_sparse_attn.methods.bfla.select import (
     mass_budget,
 )
 
-from .bfla_estimate import _masked_scores, _pow2, estimate_tiles
+from .bfla_estimate import _masked_scores, _pow2, _sample_rows, estimate_tiles
 from .bfla_fwd import _dot_prec, _first_valid, _key_span
 
 _add = tl.standard._sum_combine  # tl.reduce(x, axis, _add) is tl.sum without the standard-library call (the
@@ -99,19 +99,11 @@ def _plan_estimate_kernel(
     nq = tl.cdiv(SQ, BLOCK_SIZE)
 
     offs_m = tl.arange(0, BLOCK_M)
-    group = offs_m // R_PAD  # row m: query block qblk0 + group // HPT, head group % HPT, sample m % R_PAD
-    head = tile * HPT + group % HPT
-    samp = offs_m % R_PAD
-    start = (qblk0 + group // HPT) * BLOCK_SIZE
-    length = tl.minimum(SQ - start, BLOCK_SIZE)  # <= 0 past the last query block
-    row_ok = (samp < R) & (head < REP) & (length > 0)
-    row = start + ((2 * samp + 1) * length) // (2 * R)
-    row = tl.where(row_ok, row, 0)
-    hq = hkv * REP + tl.where(row_ok, head, 0)
+    group = offs_m // R_PAD  # (query block, head) pair of each stacked row (see _sample_rows)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + b * sqb + hq[:, None] * sqh + row[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    row_ok, row, hq, q = _sample_rows(Q, b, hkv, tile, qblk0, sqb, sqh, sqm, sqd, REP, SQ, R, offs_m, offs_d, d_ok,
+                                      BLOCK_SIZE, R_PAD, HPT)
     q_abs = row + q_offset
     q_first = qblk0 * BLOCK_SIZE + q_offset
     q_last = tl.minimum(SQ, (qblk0 + QBP) * BLOCK_SIZE) - 1 + q_offset
