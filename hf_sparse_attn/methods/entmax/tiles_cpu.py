@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
+from ...cpu_threads import parallel_map
 from ..base import log_once
 from .rowwise import _tau_sorted
 
@@ -58,41 +57,24 @@ _SUM_TOL = {torch.float32: 1e-5, torch.float64: 1e-13}
 _STEP_TOL = {torch.float32: 2e-7, torch.float64: 1e-15}
 
 _MAX_WORKERS: int | None = None  # cap on the worker threads (None: torch.get_num_threads())
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def _run_workers(tasks: list, fn, init) -> list:
-    """Run ``fn(task, state)`` for every task on up to ``torch.get_num_threads()`` worker threads, each with its
-    own ``state = init()``, torch single-threaded meanwhile (intra-op threads on these mid-sized ops cost more in
-    synchronisation than they gain). Worker ``w`` runs tasks ``w, w + n, ...`` in order, so every sum is taken in
-    the same order run to run (bit-identical results). Returns the states (one per worker)."""
-    n = min(torch.get_num_threads(), len(tasks), _MAX_WORKERS or len(tasks))
-    prev = torch.get_num_threads()
-    if prev > 1:
-        torch.set_num_threads(1)
-    try:
-        if n <= 1:
-            state = init()
-            for t in tasks:
-                fn(t, state)
-            return [state]
-        global _POOL
-        with _POOL_LOCK:
-            if _POOL is None or _POOL._max_workers < n:
-                _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hfsa-entmax")
-            pool = _POOL
+    """Run ``fn(task, state)`` for every task on up to ``torch.get_num_threads()`` threads of the shared CPU pool
+    (:mod:`hf_sparse_attn.cpu_threads`), each with its own ``state = init()``, torch single-threaded meanwhile
+    (intra-op threads on these mid-sized ops cost more in synchronisation than they gain). Worker ``w`` runs tasks
+    ``w, w + n, ...`` in order, so every sum is taken in the same order run to run (bit-identical results).
+    Returns the states (one per worker)."""
+    threads = torch.get_num_threads()
+    n = max(1, min(threads, len(tasks), _MAX_WORKERS or len(tasks)))
 
-        def work(w):  # a fixed share: the sums in each state never depend on thread timing
-            state = init()
-            for t in tasks[w::n]:
-                fn(t, state)
-            return state
+    def share(w: int):  # a fixed share: the sums in each state never depend on thread timing
+        state = init()
+        for t in tasks[w::n]:
+            fn(t, state)
+        return state
 
-        return [f.result() for f in [pool.submit(work, i) for i in range(n)]]
-    finally:
-        if prev > 1:
-            torch.set_num_threads(prev)
+    return parallel_map(share, range(n), threads)
 
 
 def tile_grid(sq: int, skv: int) -> tuple[int, int]:
