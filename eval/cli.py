@@ -27,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=_csv,
         default=["dense", "bfla"],
-        help="comma-separated method names or finetuned:PATH (a `finetune` output folder, scored as <method>-ft); "
-        "dense always runs",
+        help="comma-separated method names, NAME@TAG variants (a method with its own --method-config "
+        "NAME@TAG.KEY=VALUE, e.g. bfla@km98: several settings against one dense run) or finetuned:PATH (a `finetune` "
+        "output folder, scored as <method>-ft); dense always runs",
     )
     p.add_argument("--tasks", type=_csv, default=["niah_single_1"], help="RULER or LongBench task names")
     p.add_argument("--lengths", type=_ints, default=[4096], help="comma-separated token budgets")
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="METHOD.KEY=VALUE",
-        help="method config, repeatable, e.g. bfla.keep_mass=0.9",
+        help="method config, repeatable, e.g. bfla.keep_mass=0.9 or, for a variant, bfla@km98.keep_mass=0.98",
     )
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--seed", type=int, default=42)

@@ -4,7 +4,9 @@ For each method (the ``dense`` baseline always runs first) and sample: greedy de
 the prefill time, the prompt's token count and the method's measured density.
 
 A method is given as a *spec*: ``NAME`` (a registered method, patched zero-shot onto the base model, which is loaded
-once) or ``finetuned:PATH`` (the output folder of ``hf-sparse-attn finetune``, reloaded with
+once), ``NAME@TAG`` (a *variant* of method ``NAME`` with its own ``--method-config NAME@TAG.KEY=VALUE``, labelled
+``NAME@TAG``: several settings of one method, e.g. ``bfla@km98``, scored against one dense run) or
+``finetuned:PATH`` (the output folder of ``hf-sparse-attn finetune``, reloaded with
 :func:`hf_sparse_attn.finetune.load_finetuned`, fine-tuned from the same base model; its rows are labelled
 ``<method>-ft`` and carry ``finetuned_from``; the model is freed after its rows). Dense stays the baseline.
 
@@ -19,6 +21,7 @@ import contextlib
 import gc
 import json
 import platform
+import re
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -32,15 +35,17 @@ from . import metrics, ruler
 
 BASELINE = "dense"
 FINETUNED = "finetuned:"  # method spec prefix: finetuned:PATH
+VARIANT = "@"  # NAME@TAG: a variant of method NAME with its own method config
+_TAG = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass
 class EvalConfig:
     """What to evaluate.
 
-    ``methods``: method specs, ``NAME`` or ``finetuned:PATH`` (see the module docstring). ``method_configs`` maps a
-    method name to its ``patch_model`` keyword arguments (plain methods only: a fine-tuned folder uses its saved
-    config).
+    ``methods``: method specs, ``NAME``, ``NAME@TAG`` or ``finetuned:PATH`` (see the module docstring).
+    ``method_configs`` maps a method name or variant label (``NAME@TAG``) to its ``patch_model`` keyword arguments
+    (plain methods and variants only: a fine-tuned folder uses its saved config).
     """
 
     model: str
@@ -61,7 +66,8 @@ class EvalConfig:
 
 
 def parse_method_configs(items: list[str]) -> dict[str, dict[str, Any]]:
-    """``["bfla.keep_mass=0.9", "entmax.alpha=1.5"]`` -> ``{"bfla": {"keep_mass": 0.9}, "entmax": {"alpha": 1.5}}``."""
+    """``["bfla.keep_mass=0.9", "entmax.alpha=1.5"]`` -> ``{"bfla": {"keep_mass": 0.9}, "entmax": {"alpha": 1.5}}``;
+    a variant's label keys its own config: ``"bfla@km98.keep_mass=0.98"`` -> ``{"bfla@km98": {"keep_mass": 0.98}}``."""
     out: dict[str, dict[str, Any]] = defaultdict(dict)
     for item in items:
         key, sep, raw = item.partition("=")
@@ -140,6 +146,14 @@ def method_specs(cfg: EvalConfig) -> list[MethodSpec]:
             entries.append((m, method, path))
         elif m in known:
             entries.append((m, m, None))
+        elif VARIANT in m:
+            name, _, tag = m.partition(VARIANT)
+            if name not in known or name == BASELINE:
+                raise ValueError(f"variant {m!r}: {name!r} is not a registered method other than {BASELINE!r}; "
+                                 f"registered methods: {known}")
+            if not _TAG.fullmatch(tag):
+                raise ValueError(f"variant {m!r}: tag {tag!r} is not allowed; allowed: letters, digits, '-' and '_'")
+            entries.append((m, name, None))
         else:
             raise ValueError(
                 f"unknown or not yet registered method {m!r}; registered methods: {known} "
@@ -149,7 +163,7 @@ def method_specs(cfg: EvalConfig) -> list[MethodSpec]:
     taken = {method for _, method, path in entries if path is None}
     specs = []
     for m, method, path in entries:
-        label = method
+        label = m if VARIANT in m else method
         if path is not None:
             label = f"{method}-ft"
             if tuned.count(method) > 1:  # several fine-tunes of one method: name them by their folder
@@ -168,15 +182,15 @@ def validate(cfg: EvalConfig) -> list[MethodSpec]:
     Returns the parsed method specs.
     """
     specs = method_specs(cfg)
-    plain = [s.method for s in specs if s.finetuned_from is None]
+    plain = {s.label: s.method for s in specs if s.finetuned_from is None}
     for m, conf in cfg.method_configs.items():
         if m not in plain:
             extra = " (a fine-tuned folder uses its saved method config)" if m in {s.method for s in specs} else ""
-            raise ValueError(f"--method-config given for {m!r}, which is not in --methods {plain}{extra}")
+            raise ValueError(f"--method-config given for {m!r}, which is not in --methods {list(plain)}{extra}")
         from hf_sparse_attn.methods import get_method
 
-        get_method(m).make_config(**conf)  # ValueError naming a bad key/value
-        if m == "bfla" and conf.get("profile"):  # a missing / malformed profile fails before any model runs
+        get_method(plain[m]).make_config(**conf)  # ValueError naming a bad key/value
+        if plain[m] == "bfla" and conf.get("profile"):  # a missing / malformed profile fails before any model runs
             from hf_sparse_attn.methods.bfla.profile import load_profile
 
             load_profile(conf["profile"])
@@ -276,7 +290,7 @@ def prepared_model(spec: MethodSpec, cfg: EvalConfig, base_model, device=None) -
     if spec.finetuned_from is None:
         from hf_sparse_attn import patch_model
 
-        conf = cfg.method_configs.get(spec.method, {})
+        conf = cfg.method_configs.get(spec.label, {})
         handle = None if spec.method == BASELINE else patch_model(base_model, method=spec.method, **conf)
         try:
             yield base_model, handle

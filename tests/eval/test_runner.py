@@ -78,6 +78,38 @@ def test_errors_before_model_work(tmp_path):
     assert parse_method_configs(["bfla.keep_mass=0.9", "bfla.sink=1"]) == {"bfla": {"keep_mass": 0.9, "sink": 1}}
 
 
+def test_method_variants_score_several_settings_against_one_dense_run(tmp_path):
+    """``bfla@TAG`` rows carry their own config; one dense run; the trade-off plot has one point per setting."""
+    from hf_sparse_attn.eval import report
+
+    confs = {
+        "bfla": {"keep_mass": 0.5, "min_seq_len": 0, "flat_entropy": 1.0},
+        "bfla@all": {"keep_mass": 1.0, "min_seq_len": 0},
+    }
+    res = run_eval(_cfg(tmp_path, methods=["dense", "bfla", "bfla@all"], tasks=["niah_single_1"],
+                        method_configs=confs))
+    labels = [r["method"] for r in res["rows"]]
+    assert labels == ["dense"] * 2 + ["bfla"] * 2 + ["bfla@all"] * 2
+    dens = {a["method"]: a["density"] for a in res["aggregates"]}
+    assert dens["bfla"] < 1.0 and dens["bfla@all"] == 1.0  # each variant ran with its own keep_mass
+    pts = {label for _, _, label in report.tradeoff_points([res])[2400]}
+    assert pts == {"dense", "bfla flat_entropy=1.0 keep_mass=0.5 min_seq_len=0", "bfla@all keep_mass=1.0 min_seq_len=0"}
+    assert parse_method_configs(["bfla@km98.keep_mass=0.98"]) == {"bfla@km98": {"keep_mass": 0.98}}
+
+
+def test_method_variant_errors(tmp_path):
+    with pytest.raises(ValueError, match="variant 'nope@x': 'nope' is not a registered method"):
+        validate(_cfg(tmp_path, methods=["dense", "nope@x"]))
+    with pytest.raises(ValueError, match="variant 'dense@x'"):
+        validate(_cfg(tmp_path, methods=["dense", "dense@x"]))
+    with pytest.raises(ValueError, match="tag 'a.b' is not allowed"):
+        validate(_cfg(tmp_path, methods=["dense", "bfla@a.b"]))
+    with pytest.raises(ValueError, match="--method-config given for 'bfla@b'"):
+        validate(_cfg(tmp_path, methods=["dense", "bfla@a"], method_configs={"bfla@b": {"keep_mass": 0.9}}))
+    with pytest.raises(ValueError, match="keep_mass"):
+        validate(_cfg(tmp_path, methods=["dense", "bfla@a"], method_configs={"bfla@a": {"keep_mass": 2.0}}))
+
+
 def test_aggregate_delta_and_speedup():
     rows = [
         dict(task="t", length=10, method="dense", sample_id=0, score=100.0, prefill_s=2.0, density=1.0),

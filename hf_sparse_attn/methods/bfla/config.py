@@ -26,15 +26,19 @@ class BflaConfig(MethodConfig):
     """Configuration of ``bfla``. Defaults measured with ``benchmarks/bench_bfla_cpu.py`` on Q/K/V captured from
     SmolLM2-135M-Instruct at 8k tokens (all 30 layers; 9 query / 3 KV heads, head_dim 64):
 
-    * ``estimator="rows"``, ``rows_per_block=4``: the exact softmax of 4 strided query rows per query block
+    * ``estimator="rows"``, ``rows_per_block=8``: the exact softmax of 8 strided query rows per query block
       against all causal keys, summed per key block (block log-sum-exps), i.e. an unbiased sample of the true
       block mass, so ``keep_mass`` means what it says. Against the oracle (exact block masses, smallest set
       reaching 95 %, union over the GQA group) it gives the oracle's density (0.373 vs 0.381 mean over layers)
       while keeping 97 % of the true mass (the oracle keeps ≥ 95 % per query head; the union adds the rest).
       ``pooled`` (mean query of the block) under-selects (density 0.27, only 93 % of the mass kept, 77 % in the
       worst layer); ``antidiag`` (XAttention-style, stride 16) keeps only 80 % of the mass on average. 4 rows
-      match 8 rows within 0.01 density in most layers at half the cost (≈4 % of dense SDPA time at 8k); 2 rows
-      lose mass in sharp layers (93 %).
+      match 8 rows within 0.01 density in most layers, but on the two ``niah_multivalue`` 8k samples the 4-row
+      default lost (dense 25 / 50, 4 rows 0 / 0 at density 0.45 / 0.44) 8 rows answer (25 / 25 at 0.46 / 0.45),
+      where ``keep_mass=0.98`` at 4 rows scored 0 / 25 at a higher density (0.56 / 0.54): the sampling noise of 4
+      rows more than the mass budget drops the retrieval heads' needle blocks (2026-12-02). 8 rows cost ≈ 1 %
+      more op time than 4 on the CPU path (the estimate is overhead-bound there); 2 rows lose mass in sharp layers
+      (93 %).
     * ``keep_mass=0.95``: calibrated, see above.
     * ``block_size=128``: the estimate, the lists and the kernel tile share one grid; 128 amortizes the per-block
       work of the CPU path (one SDPA call per query block and KV head) and matches the GPU kernel's tiles.
@@ -88,7 +92,7 @@ class BflaConfig(MethodConfig):
     flat_entropy: float = 0.8
     min_seq_len: int = 3072
     estimator: str = "rows"
-    rows_per_block: int = 4
+    rows_per_block: int = 8
     antidiag_stride: int = 16
     backend: str = "auto"
     profile: str | None = None
