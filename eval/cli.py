@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on each task's generation budget")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the rows of OUT/results.json (saved after every sample) and run only the missing ones: continue "
+        "an interrupted run, or add methods / NAME@TAG variants to a finished one without running dense again",
+    )
     return p
 
 
@@ -70,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         dtype=args.dtype,
         haystack=args.haystack,
         max_new_tokens=args.max_new_tokens,
+        resume=args.resume,
     )
 
 

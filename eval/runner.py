@@ -63,6 +63,7 @@ class EvalConfig:
     dtype: str = "float32"
     haystack: str | None = None
     max_new_tokens: int | None = None  # cap on the task's generation budget (quick runs); None = the task's
+    resume: bool = False  # reuse the rows of OUT/results.json (same run settings) and run only the missing ones
 
 
 def parse_method_configs(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -314,10 +315,11 @@ def prepared_model(spec: MethodSpec, cfg: EvalConfig, base_model, device=None) -
 
 
 def run_method(
-    model, tokenizer, spec: MethodSpec, handle, samples: list[dict], progress=None, max_new_tokens=None
+    model, tokenizer, spec: MethodSpec, handle, samples: list[dict], progress=None, max_new_tokens=None, on_row=None
 ) -> list[dict]:
     """Rows of one method spec over ``samples`` (already this process's shard); ``model``/``handle`` come from
-    :func:`prepared_model` (the density is read from ``handle`` right after each prefill; 1.0 without one)."""
+    :func:`prepared_model` (the density is read from ``handle`` right after each prefill; 1.0 without one).
+    ``on_row(row)`` is called after every sample (the runner saves partial results with it)."""
     eos = _eos_ids(model, tokenizer)
     density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)
     rows = []
@@ -344,6 +346,8 @@ def run_method(
         if spec.finetuned_from is not None:
             row["finetuned_from"] = spec.finetuned_from
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         if progress is not None:
             progress.update(1)
     return rows
@@ -405,8 +409,63 @@ def _versions() -> dict[str, str]:
     }
 
 
+#: run settings a resumed run must share with the saved one (they change the samples or the predictions)
+RESUME_KEYS = ("model", "seed", "dtype", "chat_template", "haystack", "max_new_tokens", "samples", "longbench_dir",
+               "qa_dir")
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["method"], row["task"], row["length"], row["sample_id"])
+
+
+def resume_from(cfg: EvalConfig, specs: list[MethodSpec], path: Path) -> tuple[list[dict], list[MethodSpec]]:
+    """What a ``--resume`` run keeps of a saved (possibly partial) ``results.json``: all its rows, and the specs of
+    its method labels this run does not list (their configs, tasks and lengths are merged into ``cfg``, so the new
+    file holds both runs). ValueError if a run setting (:data:`RESUME_KEYS`) or the config of a label in both runs
+    differs."""
+    saved = json.loads(path.read_text())
+    old = saved.get("config", {})
+    for key in RESUME_KEYS:
+        if key in old and old[key] != getattr(cfg, key):
+            raise ValueError(
+                f"--resume: {key}={getattr(cfg, key)!r} differs from the saved run's {old[key]!r} in {path}; "
+                "use the same settings or another --out"
+            )
+    labels = {s.label for s in specs}
+    saved_confs = old.get("method_configs", {})
+    for label in labels & {r["method"] for r in saved.get("rows", [])}:
+        if saved_confs.get(label, {}) != cfg.method_configs.get(label, {}):
+            raise ValueError(
+                f"--resume: the config of {label!r} differs from the saved run's ({saved_confs.get(label, {})!r} vs "
+                f"{cfg.method_configs.get(label, {})!r}) in {path}; give the new setting its own label (e.g. "
+                f"{label.partition(VARIANT)[0]}@new)"
+            )
+    extra = [MethodSpec(**d) for d in old.get("method_specs", []) if d["label"] not in labels]
+    for spec in extra:
+        if spec.label in saved_confs:
+            cfg.method_configs[spec.label] = saved_confs[spec.label]
+    cfg.tasks = list(dict.fromkeys([*cfg.tasks, *old.get("tasks", [])]))
+    cfg.lengths = list(dict.fromkeys([*cfg.lengths, *old.get("lengths", [])]))
+    return list(saved.get("rows", [])), extra
+
+
+def _write_results(out: Path, cfg: EvalConfig, specs: list[MethodSpec], rows: list[dict], world: int) -> dict:
+    order = {s.label: i for i, s in enumerate(specs)}
+    rows.sort(key=lambda r: (r["length"], r["task"], order.get(r["method"], len(order)), r["method"], r["sample_id"]))
+    config = {**asdict(cfg), "num_processes": world, "method_specs": [asdict(s) for s in specs]}
+    results = {"config": config, "versions": _versions(), "rows": rows, "aggregates": aggregate(rows)}
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out / "results.json")  # atomic: an interrupted run leaves the last complete file
+    return results
+
+
 def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | None:
     """Run the evaluation and write ``results.json``, ``summary.md`` and plots into ``cfg.out``.
+
+    A single-process run saves ``results.json`` after every sample; ``cfg.resume`` reuses the saved rows (same run
+    settings, :func:`resume_from`) and runs only the missing (method, sample) pairs, e.g. after an interruption
+    or to add a method or a ``NAME@TAG`` variant to a finished run without running dense again.
 
     Returns the results on the main process (None on the others). ``model``/``tokenizer`` may be passed in
     (tests); otherwise ``cfg.model`` is loaded with ``hf_sparse_attn.models.load``.
@@ -417,9 +476,16 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
 
     cfg.methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
     specs = validate(cfg)
-    labels = [s.label for s in specs]
     state = _process_state()
     out = Path(cfg.out)
+    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    if cfg.resume and world > 1:
+        raise ValueError("--resume runs in a single process (the partial results are saved by a single-process run)")
+    kept: list[dict] = []
+    written = specs  # the labels results.json holds: this run's, and with --resume the saved run's others
+    if cfg.resume and (out / "results.json").is_file():
+        kept, extra = resume_from(cfg, specs, out / "results.json")
+        written = specs + extra  # kept as they are, not run
     sample_dir = out / "samples"
     sample_dir.mkdir(parents=True, exist_ok=True)
     if model is None:
@@ -444,16 +510,28 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
                 except ruler.TaskDataMissing as e:
                     if _is_main(state):
                         print(f"skipping task {task} at length {length}: {e}")
-    rank, world = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    done = {_row_key(r) for r in kept}
     shards = {key: s[rank::world] for key, s in sets.items()}
-    total = len(specs) * sum(len(s) for s in shards.values())
-    rows: list[dict] = []
-    with tqdm(total=total, desc="eval", disable=not _is_main(state)) as bar:
+    todo = {(spec.label, key): [x for x in shard if (spec.label, key[0], key[1], x["sample_id"]) not in done]
+            for spec in specs for key, shard in shards.items()}
+    rows: list[dict] = list(kept)
+    save = None
+    if world == 1:
+        def save(row):  # partial results after every sample: an interrupted run can --resume
+            rows.append(row)
+            _write_results(out, cfg, written, list(rows), world)
+
+    with tqdm(total=sum(len(t) for t in todo.values()), desc="eval", disable=not _is_main(state)) as bar:
         for spec in specs:
+            if not any(todo[(spec.label, key)] for key in shards):
+                continue
             with prepared_model(spec, cfg, model, state.device if state is not None else None) as (scored, handle):
-                for (task, length), shard in shards.items():
+                for (task, length) in shards:
                     bar.set_postfix_str(f"{spec.label} {task} {length}")
-                    rows += run_method(scored, tokenizer, spec, handle, shard, bar, cfg.max_new_tokens)
+                    new = run_method(scored, tokenizer, spec, handle, todo[(spec.label, (task, length))], bar,
+                                     cfg.max_new_tokens, on_row=save)
+                    if save is None:
+                        rows += new
     if state is not None and world > 1:
         from accelerate.utils import gather_object
 
@@ -461,10 +539,7 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
     if not _is_main(state):
         _end(state)
         return None
-    rows.sort(key=lambda r: (r["length"], r["task"], labels.index(r["method"]), r["sample_id"]))
-    config = {**asdict(cfg), "num_processes": world, "method_specs": [asdict(s) for s in specs]}
-    results = {"config": config, "versions": _versions(), "rows": rows, "aggregates": aggregate(rows)}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    results = _write_results(out, cfg, written, rows, world)
     (out / "summary.md").write_text(report.summary_markdown(results))
     report.plot_all(results, out)
     _end(state)

@@ -110,6 +110,61 @@ def test_method_variant_errors(tmp_path):
         validate(_cfg(tmp_path, methods=["dense", "bfla@a"], method_configs={"bfla@a": {"keep_mass": 2.0}}))
 
 
+def _counting_decode(monkeypatch):
+    from hf_sparse_attn.eval import runner
+
+    calls = []
+    real = runner.greedy_decode
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "greedy_decode", counted)
+    return calls
+
+
+def test_resume_adds_a_variant_without_running_dense_again(tmp_path, monkeypatch):
+    bfla = {"keep_mass": 0.5, "min_seq_len": 0, "flat_entropy": 1.0}
+    first = run_eval(_cfg(tmp_path, methods=["dense", "bfla"], tasks=["niah_single_1"], method_configs={"bfla": bfla}))
+    calls = _counting_decode(monkeypatch)
+    confs = {"bfla@all": {"keep_mass": 1.0, "min_seq_len": 0}}
+    res = run_eval(_cfg(tmp_path, methods=["dense", "bfla@all"], tasks=["niah_single_1"], method_configs=confs,
+                        resume=True))
+    assert len(calls) == 2  # only the variant's two samples ran
+    by = {(r["method"], r["sample_id"]): r for r in res["rows"]}
+    for r in first["rows"]:  # dense and bfla rows kept as saved (same prefill times: not re-run)
+        assert by[(r["method"], r["sample_id"])] == r
+    assert sorted({r["method"] for r in res["rows"]}) == ["bfla", "bfla@all", "dense"]
+    assert res["config"]["method_configs"] == {**confs, "bfla": bfla}
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"] == res["rows"]
+
+
+def test_resume_continues_an_interrupted_run(tmp_path, monkeypatch):
+    cfg = dict(methods=["dense", "bfla"], tasks=["niah_single_1"], method_configs={"bfla": {"min_seq_len": 0}})
+    full = run_eval(_cfg(tmp_path, **cfg))
+    path = tmp_path / "out" / "results.json"
+    saved = json.loads(path.read_text())
+    saved["rows"] = saved["rows"][:3]  # as if stopped after the third sample (the file is saved after each one)
+    path.write_text(json.dumps(saved))
+    calls = _counting_decode(monkeypatch)
+    res = run_eval(_cfg(tmp_path, resume=True, **cfg))
+    assert len(calls) == 1
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "prefill_s"} for r in rows]  # noqa: E731
+    assert strip(res["rows"]) == strip(full["rows"])
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    run_eval(_cfg(tmp_path, tasks=["niah_single_1"], samples=1))
+    with pytest.raises(ValueError, match="--resume: seed=7 differs from the saved run's 42"):
+        run_eval(_cfg(tmp_path, tasks=["niah_single_1"], samples=1, seed=7, resume=True))
+    run_eval(_cfg(tmp_path, methods=["dense", "bfla"], tasks=["niah_single_1"], samples=1,
+                  method_configs={"bfla": {"min_seq_len": 0}}, resume=True))
+    with pytest.raises(ValueError, match=r"the config of .bfla. differs .*e\.g\. bfla@new"):
+        run_eval(_cfg(tmp_path, methods=["dense", "bfla"], tasks=["niah_single_1"], samples=1,
+                      method_configs={"bfla": {"min_seq_len": 0, "keep_mass": 0.5}}, resume=True))
+
+
 def test_aggregate_delta_and_speedup():
     rows = [
         dict(task="t", length=10, method="dense", sample_id=0, score=100.0, prefill_s=2.0, density=1.0),
