@@ -1,8 +1,8 @@
 """bfla keeps dense answers on needles of our own format in a haystack the RULER generator does not make (Python
 standard-library documentation, :mod:`hf_sparse_attn.prose`), on the offline SmolLM2.
 
-The default suite runs a short prompt (2k tokens, bfla forced on with ``min_seq_len=0``); the 6k prompts of the
-issue's case are ``slow``.
+The default suite runs a short prompt (2k tokens, bfla forced on with ``min_seq_len=0``) and the default config at
+4k and 8k; the 6k prompts of the issue's case are ``slow``.
 """
 
 import pytest
@@ -59,6 +59,18 @@ def test_smollm2_prose_passphrase_bfla_answers_as_dense(smollm2):
     assert prose.answered(dense, needle), f"dense misses the needle: {dense!r}"
     assert sparse == dense
     assert density is not None and density < 0.9, density  # the sparse path really ran
+
+
+@pytest.mark.parametrize("length,text", [(4096, "data"), (8192, "tools")])
+def test_smollm2_long_prose_passphrase_bfla_default_answers_as_dense(smollm2, length, text):
+    """At 4k and 8k the default config runs its sparse path (above ``min_seq_len``) and keeps dense's answer."""
+    model, tok = smollm2
+    needle = prose.passphrase_needle("violet", 2861, "the build cache")
+    p = prose.needle_prompt(tok, length, depth=0.37, needle=needle, text=text)
+    dense, sparse, density = _dense_and_bfla(model, tok, p)
+    assert prose.answered(dense, needle), f"dense misses the needle: {dense!r}"
+    assert sparse == dense
+    assert density is not None and density < 0.75, density  # the sparse path really ran
 
 
 @pytest.mark.slow
