@@ -61,14 +61,16 @@ def test_smollm2_prose_passphrase_bfla_answers_as_dense(smollm2):
     assert density is not None and density < 0.9, density  # the sparse path really ran
 
 
-@pytest.mark.parametrize("length,text", [(4096, "data"), (8192, "tools")])
-def test_smollm2_long_prose_passphrase_bfla_default_answers_as_dense(smollm2, length, text):
+# At 8k SmolLM2 itself no longer recalls this needle (dense stops at "The passphrase for the build cache is:"), so
+# there the test checks that bfla gives exactly dense's output; at 4k dense finds it and bfla must too.
+@pytest.mark.parametrize("length,text,dense_finds", [(4096, "data", True), (8192, "tools", False)])
+def test_smollm2_long_prose_passphrase_bfla_default_answers_as_dense(smollm2, length, text, dense_finds):
     """At 4k and 8k the default config runs its sparse path (above ``min_seq_len``) and keeps dense's answer."""
     model, tok = smollm2
     needle = prose.passphrase_needle("violet", 2861, "the build cache")
     p = prose.needle_prompt(tok, length, depth=0.37, needle=needle, text=text)
     dense, sparse, density = _dense_and_bfla(model, tok, p)
-    assert prose.answered(dense, needle), f"dense misses the needle: {dense!r}"
+    assert prose.answered(dense, needle) == dense_finds, f"dense's answer changed: {dense!r}"
     assert sparse == dense
     assert density is not None and density < 0.75, density  # the sparse path really ran
 
