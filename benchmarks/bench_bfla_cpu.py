@@ -161,10 +161,9 @@ def oracle(model_name: str, length: int, prefix: int | None, block_size: int, ke
 def _worst_head_cover(exact: torch.Tensor, sel: torch.Tensor, kv_heads: int) -> float:
     """The lowest, over query heads, of the true mass inside the selection after the GQA union (mean over query
     blocks)."""
-    b, hq = exact.shape[:2]
-    keep = sel.reshape(b, kv_heads, hq // kv_heads, *sel.shape[2:]).any(2)
-    keep = keep[:, :, None].expand(b, kv_heads, hq // kv_heads, *keep.shape[2:]).reshape(sel.shape)
-    return float((exact * keep).sum(-1).mean(-1).min())
+    from hf_sparse_attn.methods.bfla.select import union_per_query_head
+
+    return float((exact * union_per_query_head(sel, kv_heads)).sum(-1).mean(-1).min())
 
 
 def _bench_layer(q, k, v, scale, softcap, cfg, reps):

@@ -515,10 +515,10 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
     todo = {(spec.label, key): [x for x in shard if (spec.label, key[0], key[1], x["sample_id"]) not in done]
             for spec in specs for key, shard in shards.items()}
     rows: list[dict] = list(kept)
-    save = None
-    if world == 1:
-        def save(row):  # partial results after every sample: an interrupted run can --resume
-            rows.append(row)
+
+    def add(row):  # a single process saves partial results after every sample: an interrupted run can --resume
+        rows.append(row)
+        if world == 1:
             _write_results(out, cfg, written, list(rows), world)
 
     with tqdm(total=sum(len(t) for t in todo.values()), desc="eval", disable=not _is_main(state)) as bar:
@@ -528,10 +528,8 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
             with prepared_model(spec, cfg, model, state.device if state is not None else None) as (scored, handle):
                 for (task, length) in shards:
                     bar.set_postfix_str(f"{spec.label} {task} {length}")
-                    new = run_method(scored, tokenizer, spec, handle, todo[(spec.label, (task, length))], bar,
-                                     cfg.max_new_tokens, on_row=save)
-                    if save is None:
-                        rows += new
+                    run_method(scored, tokenizer, spec, handle, todo[(spec.label, (task, length))], bar,
+                               cfg.max_new_tokens, on_row=add)
     if state is not None and world > 1:
         from accelerate.utils import gather_object
 

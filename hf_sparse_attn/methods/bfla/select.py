@@ -274,9 +274,14 @@ def mass_density(sel: torch.Tensor, sq: int, skv: int, bs: int, *, kv_heads: int
     return float(keep.sum() / (valid.sum() * keep.shape[0] * keep.shape[1]))
 
 
+def union_per_query_head(sel: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``sel (B,Hq,...)`` bool -> the union over each GQA group, repeated for every query head of the group (same
+    shape): what each query head really attends to."""
+    b, hq = sel.shape[:2]
+    keep = _union_groups(sel, kv_heads)
+    return keep[:, :, None].expand(b, kv_heads, hq // kv_heads, *keep.shape[2:]).reshape(sel.shape)
+
+
 def captured_mass(exact: torch.Tensor, sel: torch.Tensor, *, kv_heads: int) -> float:
     """Mean true mass (per query head and block) inside the selection after the union over GQA groups."""
-    b, hq = exact.shape[:2]
-    keep = _union_groups(sel, kv_heads)
-    keep = keep[:, :, None].expand(b, kv_heads, hq // kv_heads, *keep.shape[2:]).reshape(sel.shape)
-    return float((exact * keep).sum(-1).mean())
+    return float((exact * union_per_query_head(sel, kv_heads)).sum(-1).mean())
