@@ -36,9 +36,10 @@ class BflaConfig(MethodConfig):
       match 8 rows within 0.01 density in most layers, but on the two ``niah_multivalue`` 8k samples the 4-row
       default lost (dense 25 / 50, 4 rows 0 / 0 at density 0.45 / 0.44) 8 rows answer (25 / 25 at 0.46 / 0.45),
       where ``keep_mass=0.98`` at 4 rows scored 0 / 25 at a higher density (0.56 / 0.54): the sampling noise of 4
-      rows more than the mass budget drops the retrieval heads' needle blocks (2026-12-02). 8 rows cost ≈ 1 %
-      more op time than 4 on the CPU path (the estimate is overhead-bound there); 2 rows lose mass in sharp layers
-      (93 %).
+      rows more than the mass budget drops the retrieval heads' needle blocks (2026-12-02). 8 rows cost more plan
+      time: per layer at 8k (2 threads, idle, ``benchmarks/bfla_layer_times.py``) the plan takes 68–74 ms with 8
+      rows vs 38–49 ms with 4 (≈ 17 % vs ≈ 10 % of dense SDPA); the whole-op bench showed 1.18× vs 1.20× dense. 2
+      rows lose mass in sharp layers (93 %).
     * ``keep_mass=0.95``: calibrated, see above.
     * ``block_size=128``: the estimate, the lists and the kernel tile share one grid; 128 amortizes the per-block
       work of the CPU path (one SDPA call per query block and KV head) and matches the GPU kernel's tiles.
