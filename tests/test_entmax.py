@@ -104,10 +104,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["lists", "dense"])
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
 @pytest.mark.parametrize("case", CASES)
-def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case):
+def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, dense):
+    """``dense``: every forward chunk of general α and every backward tile chunk takes the dense-tile path (what
+    near-softmax rows take), else the entry lists."""
     b, hq, hkv, sq, skv, window, softcap = case
+    if dense:
+        monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)
+        monkeypatch.setattr(tiles_cpu, "_DENSE_ENTRIES", -1.0)
     monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)  # one tile per chunk
     monkeypatch.setattr(tiles_cpu, "TILE", 4)  # many tiles
     monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
@@ -200,7 +206,11 @@ def test_left_padding_rows_without_keys_are_zero():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_gradcheck_blockwise_softcap_window_and_alpha_gradient():
+@pytest.mark.parametrize("dense", [False, True], ids=["lists", "dense"])
+def test_gradcheck_blockwise_softcap_window_and_alpha_gradient(monkeypatch, dense):
+    if dense:
+        monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)
+        monkeypatch.setattr(tiles_cpu, "_DENSE_ENTRIES", -1.0)
     q, k, v = _qkv(1, 4, 2, 5, 8, 4, dtype=F64, grad=True)
     alpha = torch.tensor([1.3, 1.5, 1.8, 1.95], dtype=F64, requires_grad=True)
     f = lambda q, k, v, a: E.entmax_attention(q, k, v, None, alpha=a, scale=0.9, softcap=2.0, sliding_window=4)

@@ -49,6 +49,8 @@ SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (m
 _GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
 _ENTRY_SLICE = 1 << 13  # support entries per backward task
 _NARROW = 16  # sorted entries per row the closed form looks at first
+_DENSE_PAIRS = 0.25  # general α: a forward chunk with more candidate (row, key tile) pairs than this works densely
+_DENSE_ENTRIES = 0.125  # a backward chunk of tiles with more support entries than this works on dense tiles
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
 _TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
 _MAX_UPDATES = 100
@@ -215,24 +217,41 @@ def _tau_closed_form(x: torch.Tensor, row: torch.Tensor, n_rows: int, mode: int)
 
 def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
     """τ (n_rows,) by Newton from the lower bound ``tau`` (clipped to ``hi``) on ``f = Σ [x - τ]_+^e - 1`` over the
-    listed entries ``x`` (E,) of rows ``row`` (they hold every entry above the root). ``f`` is convex and decreasing,
-    so the iterates increase to the root; every live row updates until ``|f|`` is below the tolerance or τ stops
-    moving. ``em1`` = e - 1 (float or per row). Returns (τ, updates, max |f| at the last check)."""
-    em1_e = em1[row] if isinstance(em1, torch.Tensor) else em1
+    listed entries ``x`` (E,) of rows ``row`` (they hold every entry above the root) or, with ``row=None``, over
+    the rows' scores as a dense (n_rows, W) matrix (-inf: masked). ``f`` is convex and decreasing, so the iterates
+    increase to the root; every live row updates until ``|f|`` is below the tolerance or τ stops moving. ``em1`` =
+    e - 1 (float or per row). Returns (τ, updates, max |f| at the last check)."""
+    if row is None:  # dense rows
+        em1_e = em1.unsqueeze(-1) if isinstance(em1, torch.Tensor) else em1
+
+        def per_entry(t):
+            return t.unsqueeze(-1)
+
+        def row_sum(t):
+            return t.sum(-1)
+    else:
+        em1_e = em1[row] if isinstance(em1, torch.Tensor) else em1
+
+        def per_entry(t):
+            return t[row]
+
+        def row_sum(t):
+            return torch.zeros(n_rows, dtype=ct, device=x.device).index_add_(0, row, t)
+
     err = float("inf")
     it = 0
     for it in range(_MAX_UPDATES + 1):
-        d = (x - tau[row]).clamp_(min=0)
+        d = (x - per_entry(tau)).clamp_(min=0)
         if isinstance(em1_e, float) and em1_e > 0:
             de1 = d.pow(em1_e)
         else:
             de1 = torch.where(d > 0, d.pow(em1_e), 0)
-        f = torch.zeros(n_rows, dtype=ct, device=x.device).index_add_(0, row, de1 * d) - 1
+        f = row_sum(de1 * d) - 1
         f = torch.where(live, f, 0)
         err = float(f.abs().max()) if f.numel() else 0.0
         if err <= _SUM_TOL[ct] or it == _MAX_UPDATES:
             break
-        fp = torch.zeros_like(f).index_add_(0, row, de1) * (em1 + 1)
+        fp = row_sum(de1) * (em1 + 1)
         new = torch.minimum(tau + f / fp.clamp(min=torch.finfo(ct).tiny), hi)
         new = torch.maximum(new, tau)
         moved = (new - tau).abs() > _STEP_TOL[ct] * tau.abs().clamp(min=1)
@@ -305,6 +324,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     pad_k = nkt * TILE - skv
     kc = F.pad(k.to(ct), (0, 0, 0, pad_k))
     vflat = F.pad(v.to(ct), (0, 0, 0, pad_k)).reshape(b * hkv * nkt * TILE, dh)
+    vpad = vflat.view(b, hkv, nkt * TILE, dh)
     out = torch.zeros(b, hkv, rep, sq, dh, dtype=ct, device=dev)
     tau_out = torch.full((b, hkv, rep, sq), torch.finfo(ct).max, dtype=ct, device=dev)
     norm_out = torch.ones(b, hkv, rep, sq, dtype=ct, device=dev)
@@ -357,47 +377,70 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         thr = top + rel0 - _TAU0_MARGIN[ct] * top.abs().clamp(min=1)
         if live is not None:
             thr = torch.where(live, thr, float("inf"))
-        rt = _flat_nonzero(tmax > thr.unsqueeze(1))  # (row, key tile) pairs, flat
-        seg = s.view(n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
-        ce = _flat_nonzero(seg > thr[torch.div(rt, nt, rounding_mode="floor")].unsqueeze(1))
-        ci = torch.div(ce, TILE, rounding_mode="floor")
-        rt = rt[ci]
-        row = torch.div(rt, nt, rounding_mode="floor")  # grouped by row
-        col = (rt - row * nt) * TILE + (ce - ci * TILE)
-        x = seg.view(-1)[ce] - top[row]
-        # 4. τ (relative to the row max)
-        if mode:
-            rel = _tau_closed_form(x, row, n_rows, mode)
-            updates = 0
-        else:
+        cand = tmax > thr.unsqueeze(1)  # (row, key tile) pairs that may hold support entries
+        if not mode:
             n_r = nv[:, :, :, rows].reshape(n_rows).clamp(min=1)
             hi = -torch.pow(n_r, -am1_r)
             live_r = live if live is not None else torch.ones(n_rows, dtype=torch.bool, device=dev)
-            rel, updates, _ = _tau_newton(x, row, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
-        # 5. support, tile mask, output
-        d = (x - rel[row]).clamp_(min=0)
-        sel = d.nonzero().squeeze(1)
-        row, col, d = row[sel], col[sel], d[sel]
-        e = None if mode else (1.0 / am1_r[row] if isinstance(am1_r, torch.Tensor) else 1.0 / am1_r)
-        p = _probs_of(d, mode, e)
-        total = torch.zeros(n_rows, dtype=ct, device=dev).index_add_(0, row, p)
+        if not mode and int(cand.sum()) > _DENSE_PAIRS * cand.numel():
+            # 3'.-5'. near-softmax rows (α close to 1, flat scores): τ, p and the output on the dense scores
+            x = s.view(n_rows, span).sub_(top.unsqueeze(-1))  # relative to the row max; -inf stays masked
+            rel, updates, _ = _tau_newton(x, None, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
+            e = 1.0 / am1_r
+            p = x.sub_(rel.unsqueeze(-1)).clamp_(min=0).pow_(e.unsqueeze(-1) if isinstance(e, torch.Tensor) else e)
+            nz = p > 0
+            total = p.sum(-1)
+            o = torch.matmul(p.view(b, hkv, rep * cc, span), vpad[:, :, kb:ke]).view(n_rows, dh)
+            cnt = nz.sum(-1).float() if want_stats else None
+            nz_tiles = nz.view(-1, bm, nt, TILE).any(-1).any(1).view(-1)
+            if keep_support:
+                ent = _flat_nonzero(nz)
+                row = torch.div(ent, span, rounding_mode="floor")
+                col = ent - row * span
+        else:
+            rt = _flat_nonzero(cand)  # (row, key tile) pairs, flat
+            seg = s.view(n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
+            ce = _flat_nonzero(seg > thr[torch.div(rt, nt, rounding_mode="floor")].unsqueeze(1))
+            ci = torch.div(ce, TILE, rounding_mode="floor")
+            rt = rt[ci]
+            row = torch.div(rt, nt, rounding_mode="floor")  # grouped by row
+            col = (rt - row * nt) * TILE + (ce - ci * TILE)
+            x = seg.view(-1)[ce] - top[row]
+            # 4. τ (relative to the row max)
+            if mode:
+                rel = _tau_closed_form(x, row, n_rows, mode)
+                updates = 0
+            else:
+                rel, updates, _ = _tau_newton(x, row, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
+            # 5. support and output Σ p·v by gathered V rows
+            d = (x - rel[row]).clamp_(min=0)
+            sel = d.nonzero().squeeze(1)
+            row, col, d = row[sel], col[sel], d[sel]
+            e = None if mode else (1.0 / am1_r[row] if isinstance(am1_r, torch.Tensor) else 1.0 / am1_r)
+            p = _probs_of(d, mode, e)
+            total = torch.zeros(n_rows, dtype=ct, device=dev).index_add_(0, row, p)
+            cnt = (torch.zeros(n_rows, dtype=torch.float32, device=dev).index_add_(0, row, (p > 0).float())
+                   if want_stats else None)
+            nz_tiles = torch.div(row, bm, rounding_mode="floor") * nt + torch.div(col, TILE, rounding_mode="floor")
+            o = torch.zeros(n_rows, dh, dtype=ct, device=dev)
+            vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
+            _gathered_rows_add(o, row, vflat, vrow, p)
+        # tile mask, stats, writes
         if live is not None:
             total = torch.where(live, total, 0)
         diag[0] = max(diag[0], updates)
         diag[1] = max(diag[1], float((total - 1).abs_().max()) if live is None else
                       float((total - 1).abs_().masked_fill_(~live, 0).max()))
         if want_stats:
-            cnt = torch.zeros(n_rows, dtype=torch.float32, device=dev).index_add_(0, row, (p > 0).float())
             supp_out[:, :, :, rows] = cnt.view(b, hkv, rep, cc)
         code = torch.where((tmax > float("-inf")).view(-1, bm, nt).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
-        code.view(-1).index_fill_(0, torch.div(row, bm, rounding_mode="floor") * nt + torch.div(
-            col, TILE, rounding_mode="floor"), TILE_NONZERO)
+        if nz_tiles.dtype == torch.bool:
+            code.view(-1).masked_fill_(nz_tiles, TILE_NONZERO)
+        else:
+            code.view(-1).index_fill_(0, nz_tiles, TILE_NONZERO)
         tiles[:, a // TILE : a // TILE + nq, t0 : t0 + nt] = code.view(b * hkv * rep, nq, nt)
         if keep_support:
             support[:, :, :, rows] = _support_list(row, kb + col, n_rows).view(b, hkv, rep, cc, SUPPORT_KEYS)
-        o = torch.zeros(n_rows, dh, dtype=ct, device=dev)
-        vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
-        _gathered_rows_add(o, row, vflat, vrow, p)
         inv = torch.where(total > 0, 1.0 / total, 0)
         out[:, :, :, rows] = (o * inv.unsqueeze(-1)).view(b, hkv, rep, cc, dh)
         tau_r = top + rel
@@ -498,6 +541,7 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
     kflat = F.pad(k.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
     vflat = F.pad(v.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
     qt_, kt_ = qflat.view(-1, TILE, dh), kflat.view(-1, TILE, dh)
+    dot_, vt_ = doflat.view(-1, TILE, dh), vflat.view(-1, TILE, dh)
     am1_all = (alpha.to(ct) - 1) if mode == 0 else None
     rows_per_head = nqt * TILE
 
@@ -567,6 +611,50 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
         bh, qt, kt, row_tile = bh[sel], qt[sel], kt[sel], row_tile[sel]
     tasks += [("tiles", lo, hi) for lo, hi in _pair_chunks(row_tile)]
 
+    def dense_tile_grads(cbh, cqt, ckt, crt, kv_tile, kg, z, s, above, acc):
+        """:func:`entry_grads` for the pairs of one chunk (whole row tiles) on dense (P, TILE, TILE) tiles: batched
+        products instead of per-entry gathers where most entries are in the support (α close to 1)."""
+        ar = torch.arange(TILE, device=dev)
+        b_of = torch.div(cbh, hq, rounding_mode="floor")
+        keep = above & _entry_visible((cqt * TILE)[:, None, None] + ar[:, None], (ckt * TILE)[:, None, None] + ar,
+                                      b_of[:, None, None], sq, skv, off, causal, window, first_valid, bool_mask)
+        if row_ok is not None:
+            keep &= row_ok.view(-1, TILE)[crt].unsqueeze(-1)
+        head = cbh % hq
+        am1 = am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0)
+        d = (s - tau_f.view(-1, TILE)[crt].unsqueeze(-1)).clamp_(min=0).masked_fill_(~keep, 0)
+        if mode == 1:
+            u, p = d, d * d
+        elif mode == 2:
+            u, p = (d > 0).to(ct), d
+        else:
+            u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
+            p = u * d
+        p = p / norm_f.view(-1, TILE)[crt].unsqueeze(-1)
+        do_t, q_t = dot_.index_select(0, crt), qt_.index_select(0, crt)
+        g = torch.bmm(do_t, vt_.index_select(0, kv_tile).transpose(1, 2))  # dO_i · v_j
+        urt, inv = torch.unique_consecutive(crt, return_inverse=True)
+
+        def per_row(x):  # (P, TILE, TILE) -> per query row of the chunk's row tiles (U, TILE)
+            return torch.zeros(urt.numel(), TILE, dtype=ct, device=dev).index_add_(0, inv, x.sum(-1))
+
+        su, sug = per_row(u), per_row(u * g)
+        delta = torch.where(su > 0, sug / torch.where(su > 0, su, 1), 0)
+        if need_dalpha:
+            plogp = torch.xlogy(p, p)
+            h_u = torch.div(urt, nqt, rounding_mode="floor") % hq
+            am1_r = am1_all[h_u].unsqueeze(-1) if mode == 0 else am1
+            da = (per_row(g * p) - delta) / (am1_r * am1_r) - (per_row(g * plogp) - delta * per_row(plogp)) / am1_r
+            acc[3].index_add_(0, h_u, torch.where(su > 0, da, 0).sum(-1))
+        dz = (g - delta[inv].unsqueeze(-1)) * u
+        if softcap:
+            t = torch.tanh(z / softcap)
+            dz = dz * (1 - t * t)
+        dz = dz * scale
+        acc[0].view(-1, TILE, dh).index_add_(0, crt, torch.bmm(dz, kg))
+        acc[1].view(-1, TILE, dh).index_add_(0, kv_tile, torch.bmm(dz.transpose(1, 2), q_t))
+        acc[2].view(-1, TILE, dh).index_add_(0, kv_tile, torch.bmm(p.transpose(1, 2), do_t))
+
     def tile_chunk(lo, hi, acc):
         cbh, cqt, ckt, crt = bh[lo:hi], qt[lo:hi], kt[lo:hi], row_tile[lo:hi]
         head = cbh % hq
@@ -576,7 +664,11 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
         z = torch.bmm(qt_.index_select(0, crt), kg.transpose(1, 2)).mul_(scale)  # (P, TILE, TILE)
         s = torch.tanh(z / softcap) * softcap if softcap else z
         s = s * (am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0))
-        flat = _flat_nonzero(s > tau_f.view(-1, TILE)[crt].unsqueeze(-1))
+        above = s > tau_f.view(-1, TILE)[crt].unsqueeze(-1)
+        if int(above.sum()) > _DENSE_ENTRIES * above.numel():
+            dense_tile_grads(cbh, cqt, ckt, crt, kv_tile, kg, z, s, above, acc)
+            return
+        flat = _flat_nonzero(above)
         pi = torch.div(flat, TILE * TILE, rounding_mode="floor")
         mi = torch.div(flat, TILE, rounding_mode="floor") % TILE
         ni = flat % TILE
