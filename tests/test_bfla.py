@@ -1,5 +1,7 @@
 """bfla: estimator + rescues + compact lists (reference), the CPU sparse path, dispatch and model integration."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,6 +67,8 @@ def test_config_validation_names_key_value_range():
         get_method("bfla").make_config(keepmass=0.9)
     with pytest.raises(ValueError, match=r"max_density=0"):
         sparse_attention(*_qkv(), method="bfla", max_density=0)
+    with pytest.raises(ValueError, match=r"head_lists='query'.*\['auto', 'group', 'head'\]"):
+        bfla.BflaConfig(head_lists="query")
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -534,3 +538,55 @@ def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
     assert bfla.plan_density(plan).mean() < 1
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert any(causal_calls) == ((skv - sq) % 32 == 0)  # the diagonal shortcut runs exactly when aligned
+
+
+# --------------------------------------------------------------------------------------------- per-query-head lists
+
+
+@pytest.mark.parametrize("hq,hkv,mode,per_head", [(4, 1, "auto", True), (4, 2, "auto", False), (4, 1, "group", False),
+                                                   (4, 2, "head", True), (2, 2, "head", False)])
+def test_head_lists_choice(hq, hkv, mode, per_head):
+    """``head_lists="auto"``: one list per query head only where one KV head serves every query head."""
+    q, k, _ = _qkv(hq=hq, hkv=hkv)
+    plan = bfla.make_plan(q, k, scale=0.3, config=_cfg(head_lists=mode))
+    assert plan.counts.shape[1] == (hq if per_head else hkv)
+    assert bfla.lists_per_query_head(hq, hkv, _cfg(head_lists=mode)) is per_head
+
+
+@pytest.mark.parametrize("hkv,window", [(1, None), (2, 37)])
+def test_head_lists_are_each_heads_own_selection(hkv, window):
+    """Per-query-head lists = the group plan's selection without the union over the group: what every query head
+    keeps is a subset of its group's list, and here strictly less in total."""
+    q, k, _ = _qkv(hq=4, hkv=hkv, sq=100, skv=100)
+    cfg = _cfg(keep_mass=0.5, sink=0, local=0, dense_last_blocks=0)
+    kw = dict(scale=0.3, softcap=None, sliding_window=window)
+    group = bfla.make_plan(q, k, config=dataclasses.replace(cfg, head_lists="group"), **kw)
+    head = bfla.make_plan(q, k, config=dataclasses.replace(cfg, head_lists="head"), **kw)
+    ref = bfla.build_plan(q, k.repeat_interleave(4 // hkv, 1), config=cfg, **kw)
+    assert torch.equal(head.counts, ref.counts) and torch.equal(head.ids, ref.ids)
+    keep_g = bfla.plan_keep(group).repeat_interleave(4 // hkv, 1)
+    keep_h = bfla.plan_keep(head)
+    assert not (keep_h & ~keep_g).any()
+    assert float(bfla.plan_density(head)) < float(bfla.plan_density(group))
+
+
+@pytest.mark.parametrize("hkv,softcap,window", [(1, None, None), (1, 4.0, 37), (2, None, None)])
+def test_head_lists_attention_equals_masked_dense(hkv, softcap, window):
+    """Each query head attends exactly inside its own kept tiles: forward and gradients (through the repeat of
+    K/V) equal dense attention under the per-head token mask; the no-grad split path too."""
+    q, k, v = _qkv(b=2, hq=4, hkv=hkv, sq=96, skv=96, grad=True)
+    cfg = _cfg(keep_mass=0.5, sink=0, local=0, dense_last_blocks=0, head_lists="head")
+    out, plan = bfla.bfla_attention(q, k, v, scale=0.3, softcap=softcap, sliding_window=window, config=cfg)
+    assert plan.counts.shape[1] == 4 and float(bfla.plan_density(plan)) < 1.0
+    rep = 4 // hkv
+    ref = _masked_dense(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), plan, 0.3, softcap, window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((ref * g).sum(), (q, k, v)),
+                    strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        fast = bfla.attend(q[:1], k[:1], v[:1], bfla.make_plan(q[:1], k[:1], scale=0.3, softcap=softcap,
+                                                                sliding_window=window, config=cfg),
+                           scale=0.3, softcap=softcap, sliding_window=window, config=cfg)
+    torch.testing.assert_close(fast, ref[:1], atol=1e-5, rtol=1e-5)

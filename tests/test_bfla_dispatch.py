@@ -38,15 +38,16 @@ def test_dense_density_sends_a_dense_plan_to_the_exact_dense_path(caplog):
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="hf_sparse_attn"):
         out, st = _run(q, k, v, keep_mass=0.8, dense_density=0.5)
         _run(q, k, v, keep_mass=0.8, dense_density=0.5)
-    assert st["path"] == "dense" and st["density"] > 0.5  # the plan's density is still reported
-    assert st["dense_reason"] == f"selected density {st['density']:.2f} > dense_density 0.5"
+    assert st["path"] == "dense" and st["density"] == 1.0  # what ran: every tile
+    assert st["selected_density"] > 0.5 and st["density_per_head"] is None  # the plan's density is still reported
+    assert st["dense_reason"] == f"selected density {st['selected_density']:.2f} > dense_density 0.5"
     assert torch.equal(out, dense_attention(q, k, v, None, scale=0.25))  # bit-identical: the dense path itself
     assert sum("dense_density" in r.getMessage() for r in caplog.records) == 1  # logged once
     # the switch: dense_density=1.0 always runs the sparse kernel on the same plan
     with torch.no_grad():
         out_sparse, st_sparse = _run(q, k, v, keep_mass=0.8, dense_density=1.0)
     assert st_sparse["path"] == "sparse" and st_sparse["dense_reason"] is None
-    assert st_sparse["density"] == st["density"]
+    assert st_sparse["density"] == st_sparse["selected_density"] == st["selected_density"]
     assert not torch.equal(out_sparse, out)  # the sparse kernel ran (tiles were dropped)
 
 
@@ -62,7 +63,7 @@ def test_short_sequences_report_min_seq_len():
     q, k, v = _qkv()
     with torch.no_grad():
         out, st = _run(q, k, v, min_seq_len=1000)
-    assert st == {"density": 1.0, "density_per_head": None, "path": "dense",
+    assert st == {"density": 1.0, "selected_density": None, "density_per_head": None, "path": "dense",
                   "dense_reason": "sequence length 192 < min_seq_len 1000"}
     assert torch.equal(out, dense_attention(q, k, v, None, scale=0.25))
 

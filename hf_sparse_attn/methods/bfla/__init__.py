@@ -56,8 +56,8 @@ from ..base import TRITON_HEAD_DIMS
 from ..dense import dense_attention
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import sparse_attention_flex
-from .config import BACKENDS, ESTIMATORS, BflaConfig, use_triton
-from .dispatch import METHOD, bfla_attention, layer_stats
+from .config import BACKENDS, ESTIMATORS, HEAD_LISTS, BflaConfig, lists_per_query_head, use_triton
+from .dispatch import METHOD, attend, bfla_attention, layer_stats, make_plan
 from .estimate import _estimate_rows, estimate_block_mass, exact_block_mass
 from .reference import reference_sparse_bwd, reference_sparse_fwd
 from .select import build_plan, captured_mass, flat_heads, mass_density, rescue_mask, select_by_mass
@@ -70,6 +70,8 @@ __all__ = [
     "TRITON_HEAD_DIMS",
     "BflaConfig",
     "BflaPlan",
+    "HEAD_LISTS",
+    "attend",
     "bfla_attention",
     "block_valid",
     "build_plan",
@@ -80,6 +82,8 @@ __all__ = [
     "exact_block_mass",
     "flat_heads",
     "layer_stats",
+    "lists_per_query_head",
+    "make_plan",
     "mass_density",
     "plan_density",
     "plan_keep",

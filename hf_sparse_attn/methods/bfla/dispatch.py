@@ -13,7 +13,7 @@ from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
 from ..dense import METHOD as DENSE
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
-from .config import BflaConfig, use_triton
+from .config import BflaConfig, lists_per_query_head, use_triton
 from .cpu_threads import build_plan_parallel
 from .select import build_plan
 
@@ -38,6 +38,11 @@ def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None, 
     return True, None, None
 
 
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B,Hkv,S,D)`` -> ``(B,heads,S,D)``: every KV head repeated for the query heads of its group (a copy)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def make_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,7 +54,11 @@ def make_plan(
     first_valid: torch.Tensor | None = None,
 ) -> BflaPlan:
     """The plan of one call: on CPU one KV group per worker thread (:mod:`.cpu_threads`), else :func:`build_plan`.
-    Both give the same lists."""
+    Both give the same lists: ``counts (B,H,NQ)`` with ``H`` = the KV heads, or the query heads where the config
+    keeps one list per query head (:func:`.config.lists_per_query_head`; the estimate is the same, the union over
+    the group is skipped)."""
+    if lists_per_query_head(q.shape[1], k.shape[1], config):
+        k = _repeat_kv(k, q.shape[1])
     if q.device.type == "cpu":
         return build_plan_parallel(
             q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid,
@@ -71,7 +80,9 @@ def attend(
     sliding_window: int | None = None,
     config: BflaConfig,
 ) -> torch.Tensor:
-    """Exact attention inside the plan's kept tiles on the configured backend (see :class:`BflaConfig`)."""
+    """Exact attention inside the plan's kept tiles on the configured backend (see :class:`BflaConfig`). A plan
+    with one list per query head (:func:`make_plan`) sees K/V repeated per query head."""
+    k, v = _repeat_kv(k, plan.counts.shape[1]), _repeat_kv(v, plan.counts.shape[1])
     flex_problem = None
     if config.backend == "flex":
         flex_problem = _flex_unsupported(q, k, v, softcap, sliding_window)
@@ -119,7 +130,7 @@ def _density_rule(q, k, v, plan, config) -> str | None:
 def _plan_stats(q, k, plan) -> dict[str, Any]:
     rvalid = valid_rows(plan.valid, q.shape[2], k.shape[2], plan.block_size, plan.first_valid)
     return {
-        "kept": plan.counts.sum(dim=(0, 2)),  # (Hkv,) summed over the batch
+        "kept": plan.counts.sum(dim=(0, 2)),  # (Hkv,) or (Hq,) per-head lists, summed over the batch
         "valid": rvalid.expand(plan.counts.shape[0], 1, *plan.valid.shape).sum(),  # per-row valid tiles
     }
 
@@ -183,20 +194,25 @@ def init_layer(module: torch.nn.Module, state: LayerState) -> None:
 
 
 def layer_stats(state: LayerState) -> dict[str, Any]:
-    """Plain numbers of the last prefill: ``density`` (kept / causal tiles of the plan; 1.0 when no plan was built)
-    and ``density_per_head`` (KV heads); None on layers bfla does not sparsify (sliding-window layers: see their
-    ``band_density``). ``path``: "sparse" or "dense" (which attention ran); ``dense_reason``: why the dense path ran
-    (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 3072"`` or ``"selected density 0.86 >
-    dense_density 0.6"`` (the plan's density is still reported then)."""
+    """Plain numbers of the last prefill: ``density``, the fraction of the causal tiles the layer attended to (the
+    plan's kept / causal tiles on the sparse path; 1.0 when the dense path ran), ``selected_density`` (the plan's,
+    also when the dense path then ran; None without a plan) and ``density_per_head`` (per list of the sparse path:
+    KV heads, or query heads with per-query-head lists); all None on layers bfla does not sparsify (sliding-window
+    layers: see their ``band_density``). ``path``: "sparse" or "dense" (which attention ran); ``dense_reason``: why
+    the dense path ran (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 3072"`` or ``"selected
+    density 0.86 > dense_density 0.6"``."""
     st = state.stats
     route = {"path": st.get("path"), "dense_reason": st.get("dense_reason")}
     if st.get("dense"):
-        return {"density": 1.0, "density_per_head": None, **route}
+        return {"density": 1.0, "selected_density": None, "density_per_head": None, **route}
     if "kept" not in st:  # no prefill yet, or a layer bfla does not sparsify (e.g. a windowed sliding layer)
-        return {"density": None, "density_per_head": None, **route}
+        return {"density": None, "selected_density": None, "density_per_head": None, **route}
     valid = float(st["valid"])
     per_head = [float(x) / valid for x in st["kept"].tolist()]
-    return {"density": sum(per_head) / len(per_head), "density_per_head": per_head, **route}
+    selected = sum(per_head) / len(per_head)
+    if route["path"] == "dense":
+        return {"density": 1.0, "selected_density": selected, "density_per_head": None, **route}
+    return {"density": selected, "selected_density": selected, "density_per_head": per_head, **route}
 
 
 METHOD = Method(
