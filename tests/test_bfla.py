@@ -367,8 +367,8 @@ def test_dispatch_dense_paths_and_noncontiguous_query():
 
 def test_layer_stats():
     q, k, v = _qkv(sq=96, skv=96)
-    layer = LayerState(method=bfla.METHOD, config=_cfg(flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0),
-                       layer_idx=0, sparse_eligible=True)
+    layer = LayerState(method=bfla.METHOD, config=_cfg(flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0,
+                                                       dense_density=1.0), layer_idx=0, sparse_eligible=True)
     bfla.METHOD.forward(q, k, v, None, scale=0.25, causal=True, softcap=None, sliding_window=None,
                         config=layer.config, layer=layer)
     st = bfla.layer_stats(layer)
@@ -406,7 +406,8 @@ def test_tiny_llama_prefill_generate_and_keep_all_equals_dense():
         assert handle.stats()["density"] == pytest.approx(1.0)
     torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=1e-5)
 
-    handle = patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0)
+    handle = patch_model(model, method="bfla", block_size=BS, min_seq_len=64, keep_mass=0.6, flat_entropy=1.0,
+                         dense_density=1.0)
     with torch.no_grad():
         sparse_logits = model(ids).logits
     st = handle.stats()
