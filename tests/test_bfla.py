@@ -196,9 +196,14 @@ def test_sparse_equals_dense_with_tile_mask_forward_and_grads(case):
         torch.testing.assert_close(a, r, **tol)
 
 
+@pytest.mark.parametrize("min_run", [1, 2, 1 << 20], ids=["views", "mixed", "gathered"])
 @pytest.mark.parametrize("case", CASES)
-def test_inference_fast_path_equals_dense_with_tile_mask(case):
-    """Without autograd (batch 1) the split path (mask-free SDPA + explicit diagonal, merged by LSE) runs."""
+def test_inference_fast_path_equals_dense_with_tile_mask(case, min_run, monkeypatch):
+    """Without autograd (batch 1) the split path (mask-free SDPA over runs of kept blocks as views and the other
+    blocks gathered, an explicit diagonal, merged by LSE) runs."""
+    from hf_sparse_attn.methods.bfla import attend_cpu
+
+    monkeypatch.setattr(attend_cpu, "MIN_RUN_BLOCKS", min_run)
     b, hq, hkv, sq, skv, softcap, window, dtype = case
     q, k, v = _qkv(1, hq, hkv, sq, skv, dtype=dtype)
     cfg = _cfg(keep_mass=0.5, flat_entropy=1.0, sink=0, local=0, dense_last_blocks=0)

@@ -10,6 +10,27 @@ from ...tiles import BflaPlan, _cdiv, _token_keep, valid_rows
 from ..dense import dense_attention
 from .cpu_threads import parallel_map
 
+MIN_RUN_BLOCKS = 4  # a run of at least this many consecutive kept blocks is attended as a view (no copy)
+
+
+def _full_key_runs(ids: torch.Tensor, kb_h, vb_h, k_h, v_h, bs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The keys and values of the kept blocks ``ids`` (ascending) as few ``(L, D)`` pieces with as little copying as
+    possible: runs of at least ``MIN_RUN_BLOCKS`` consecutive blocks as views of ``k_h``/``v_h``, the other blocks
+    gathered into one piece (a copy). ``kb_h``/``vb_h``: the same K/V as ``(NK, bs, D)`` blocks."""
+    n = ids.numel()
+    starts = [0] + (torch.nonzero(ids[1:] - ids[:-1] != 1).flatten() + 1).tolist() + [n]
+    pieces, rest = [], []
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        if b - a >= MIN_RUN_BLOCKS or b - a == n:
+            first = int(ids[a])
+            pieces.append((k_h[first * bs : (first + b - a) * bs], v_h[first * bs : (first + b - a) * bs]))
+        else:
+            rest.append(ids[a:b])
+    if rest:
+        sel = torch.cat(rest)
+        pieces.append((kb_h.index_select(0, sel).flatten(0, 1), vb_h.index_select(0, sel).flatten(0, 1)))
+    return pieces
+
 
 def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scale, softcap, sliding_window, fv=0):
     """No-grad fast path for one query block of one KV head of one batch row: the kept key blocks entirely visible to
@@ -29,17 +50,11 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
     q2 = qq.reshape(1, 1, rep * rows, d)
     parts = []
     if full_ids.numel() and not softcap:
-        nf = full_ids.numel()
-        first = int(full_ids[0])
-        if int(full_ids[-1]) - first == nf - 1:  # contiguous run: a view, no copy
-            kk, vv = k_h[first * bs : (first + nf) * bs], v_h[first * bs : (first + nf) * bs]
-        else:
-            kk = kb_h.index_select(0, full_ids).reshape(nf * bs, d)
-            vv = vb_h.index_select(0, full_ids).reshape(nf * bs, d)
-        o1, l1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q2, kk[None, None], vv[None, None], 0.0, False, scale=scale
-        )
-        parts.append((o1[0, 0].float(), l1[0, 0]))
+        for kk, vv in _full_key_runs(full_ids, kb_h, vb_h, k_h, v_h, bs):
+            o1, l1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q2, kk[None, None], vv[None, None], 0.0, False, scale=scale
+            )
+            parts.append((o1[0, 0].float(), l1[0, 0]))
     else:
         part_ids = ids_i
     if part_ids.numel() == 1 and not softcap and sliding_window is None and int(part_ids[0]) * bs == q_first >= fv:
@@ -66,9 +81,8 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
     if len(parts) == 1:
         o, lse = parts[0]
     else:
-        (o1, l1), (o2, l2) = parts
-        lse = torch.logaddexp(l1, l2)
-        o = o1 * torch.exp(l1 - lse)[:, None].nan_to_num_(0.0) + o2 * torch.exp(l2 - lse)[:, None].nan_to_num_(0.0)
+        lse = torch.logsumexp(torch.stack([lp for _, lp in parts]), dim=0)
+        o = sum(op * torch.exp(lp - lse)[:, None].nan_to_num_(0.0) for op, lp in parts)
     o = torch.where(torch.isfinite(lse)[:, None], o, torch.zeros_like(o))
     return o.reshape(rep, rows, d).to(qq.dtype)
 
