@@ -37,7 +37,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
                 else:
                     cells.append(f"{_fmt(a['score'])} ({_fmt(a['delta_vs_dense'], '+.1f')})")
             lines.append(f"| {task} | " + " | ".join(cells) + " |")
-        avg, speed, dens, secs = [], [], [], []
+        avg, speed, dens, secs, sel = [], [], [], [], []
         for m in methods:
             rows = [by[(t, length, m)] for t in tasks if (t, length, m) in by]
             score = _mean([a["score"] for a in rows])
@@ -46,13 +46,16 @@ def summary_markdown(results: dict[str, Any]) -> str:
             speed.append(_fmt(_mean([a["prefill_speedup_vs_dense"] for a in rows]), ".2f") + "×")
             dens.append(_fmt(_mean([a["density"] for a in rows]), ".3f"))
             secs.append(_fmt(_mean([a["prefill_s"] for a in rows]), ".2f"))
+            sel.append(_fmt(_mean([a.get("selected_density") for a in rows]), ".3f"))
         lines += [
             "| **average** | " + " | ".join(avg) + " |",
             "| prefill speed-up vs dense | " + " | ".join(speed) + " |",
             "| prefill seconds (mean) | " + " | ".join(secs) + " |",
             "| density | " + " | ".join(dens) + " |",
-            "",
         ]
+        if sel != dens:  # a dispatch rule sent some selections dense
+            lines.append("| selected density | " + " | ".join(sel) + " |")
+        lines.append("")
     tuned = {a["method"]: a["finetuned_from"] for a in aggs if a.get("finetuned_from") is not None}
     for m, path in tuned.items():
         lines.append(f"* `{m}`: the fine-tuned model in `{path}`")
@@ -61,7 +64,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
     n = {a["n"] for a in aggs}
     lines.append(
         f"Scores 0–100 (mean over {min(n) if n else 0}–{max(n) if n else 0} samples per cell); "
-        "Δ vs dense in parentheses; density = kept fraction of attention (1.0 for dense)."
+        "Δ vs dense in parentheses; density = kept fraction of attention (1.0 for dense; a layer the "
+        "`dense_density` rule ran densely counts 1.0, the plan's own fraction is the selected density row, shown "
+        "where it differs)."
     )
     return "\n".join(lines) + "\n"
 

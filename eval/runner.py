@@ -321,14 +321,19 @@ def run_method(
     :func:`prepared_model` (the density is read from ``handle`` right after each prefill; 1.0 without one).
     ``on_row(row)`` is called after every sample (the runner saves partial results with it)."""
     eos = _eos_ids(model, tokenizer)
-    density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)
+    def density_now() -> tuple[float | None, float | None]:  # (attended, selected) right after the prefill
+        if handle is None:
+            return 1.0, 1.0
+        st = handle.stats()
+        return st["density"], st.get("selected_density", st["density"])
+
     rows = []
     for s in samples:
         enc = tokenizer(s["input"], add_special_tokens=s.get("add_special_tokens", True), return_tensors="pt")
         ids = enc["input_ids"].to(model.device)
         budget = int(s["max_new_tokens"])
         budget = budget if max_new_tokens is None else min(max_new_tokens, budget)
-        new, prefill_s, density = greedy_decode(model, ids, budget, eos, after_prefill=density_now)
+        new, prefill_s, (density, selected) = greedy_decode(model, ids, budget, eos, after_prefill=density_now)
         pred = tokenizer.decode(new, skip_special_tokens=True)
         row = {
             "task": s["task"],
@@ -341,6 +346,7 @@ def run_method(
             "prefill_s": prefill_s,
             "input_tokens": int(ids.shape[1]),
             "density": density,
+            "selected_density": selected,
             "depth": s.get("depth"),
         }
         if spec.finetuned_from is not None:
@@ -387,6 +393,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             "prefill_speedup_vs_dense": None if not base_t or not t else base_t / t,
             "prefill_s": t,
             "density": _mean([r["density"] for r in rs]),
+            "selected_density": _mean([r.get("selected_density") for r in rs]),
         }
         if rs[0].get("finetuned_from") is not None:
             entry["finetuned_from"] = rs[0]["finetuned_from"]

@@ -144,7 +144,9 @@ class PatchHandle:
         self.active = False
 
     def stats(self) -> dict[str, Any]:
-        """Measurements of the last forward: per layer the method's stats, plus coverage and mean density."""
+        """Measurements of the last forward: per layer the method's stats, plus coverage and the mean over layers of
+        the density each attended to (``density``) and of the density its method selected before a dispatch rule
+        sent it dense (``selected_density``; the same where no such rule applies)."""
         layers = {}
         for idx, state in self.layers.items():
             entry: dict[str, Any] = {"sparse_eligible": state.sparse_eligible}
@@ -156,6 +158,8 @@ class PatchHandle:
                 entry["band_density"] = band_density(*window)
             layers[idx] = entry
         densities = [e["density"] for e in layers.values() if e.get("density") is not None]
+        selected = [e["selected_density"] if e.get("selected_density") is not None else e["density"]
+                    for e in layers.values() if e.get("density") is not None]
         return {
             "method": self.method.name,
             "config": self.config.to_dict(),
@@ -163,6 +167,7 @@ class PatchHandle:
             "num_layers": self._total_layers,
             "attention_modules": len(self._modules),
             "density": sum(densities) / len(densities) if densities else None,
+            "selected_density": sum(selected) / len(selected) if selected else None,
             "layers": layers,
         }
 

@@ -90,8 +90,8 @@ def test_method_variants_score_several_settings_against_one_dense_run(tmp_path):
                         method_configs=confs))
     labels = [r["method"] for r in res["rows"]]
     assert labels == ["dense"] * 2 + ["bfla"] * 2 + ["bfla@all"] * 2
-    dens = {a["method"]: a["density"] for a in res["aggregates"]}
-    assert dens["bfla"] < 1.0 and dens["bfla@all"] == 1.0  # each variant ran with its own keep_mass
+    sel = {a["method"]: a["selected_density"] for a in res["aggregates"]}
+    assert sel["bfla"] < 1.0 and sel["bfla@all"] == 1.0  # each variant ran with its own keep_mass
     pts = {label for _, _, label in report.tradeoff_points([res])[2400]}
     assert pts == {"dense", "bfla flat_entropy=1.0 keep_mass=0.5 min_seq_len=0", "bfla@all keep_mass=1.0 min_seq_len=0"}
     assert parse_method_configs(["bfla@km98.keep_mass=0.98"]) == {"bfla@km98": {"keep_mass": 0.98}}
