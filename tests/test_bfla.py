@@ -550,9 +550,12 @@ def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
 
 
 @pytest.mark.parametrize("hq,hkv,mode,per_head", [(4, 1, "auto", True), (4, 2, "auto", False), (4, 1, "group", False),
-                                                   (4, 2, "head", True), (2, 2, "head", False)])
+                                                   (4, 2, "head", True), (2, 2, "head", False), (4, 1, None, False)])
 def test_head_lists_choice(hq, hkv, mode, per_head):
-    """``head_lists="auto"``: one list per query head only where one KV head serves every query head."""
+    """``head_lists="auto"``: one list per query head only where one KV head serves every query head; the default
+    (None here) is one list per KV group."""
+    if mode is None:
+        mode = bfla.BflaConfig().head_lists
     q, k, _ = _qkv(hq=hq, hkv=hkv)
     plan = bfla.make_plan(q, k, scale=0.3, config=_cfg(head_lists=mode))
     assert plan.counts.shape[1] == (hq if per_head else hkv)
