@@ -7,11 +7,11 @@ through bfla at each candidate ``keep_mass`` (``levels``; every other option as 
 included), and for each KV head the relative error of its query group's output,
 ``||O_bfla - O_dense||_F / ||O_dense||_F``, and its density (kept / causal tiles) are recorded. The error is
 measured on ``error_rows`` (default 8) sampled query rows per block: the estimate is made once per layer, and each
-level only reselects and re-sums the rows' per-key-block softmax parts (SmolLM2 at 8k: 7 min 50 s for the 30 layers
-on 2 shared cores at load 9–12, vs ~75 s per layer, ~37 min, through ``bfla_attention`` per level). Inputs are the dense
-hidden states, so each number is the error that one layer adds on its own. Per (layer, KV head) the profile keeps
-the level with the lowest mean density whose worst error over the prompts is at most ``target_error`` (1.0 = dense
-when none is). Usage::
+level only reselects and re-sums the rows' per-key-block softmax parts (SmolLM2 at 8k, 30 layers: 64 s on 2 cores
+beside one other job, 7 min 50 s at load 9–12, vs ~75 s per layer, ~37 min, through ``bfla_attention`` per level).
+Inputs are the dense hidden states, so each number is the error that one layer adds on its own. Per (layer, KV
+head) the profile keeps the level with the lowest mean density whose worst error over the prompts is at most
+``target_error`` (1.0 = dense when none is). Usage::
 
     hf-sparse-attn calibrate --model smollm2 --lengths 8192 --out smollm2.profile.json
     patch_model(model, method="bfla", profile="smollm2.profile.json")
