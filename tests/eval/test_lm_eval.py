@@ -19,7 +19,7 @@ LENGTH = 2400
 SAMPLES = 2
 GEN = 6
 # bfla below its default min_seq_len would run dense; flat_entropy=1 keeps the tiny model's flat heads sparse.
-BFLA = {"keep_mass": 0.5, "min_seq_len": 1024, "flat_entropy": 1.0}
+BFLA = {"keep_mass": 0.5, "min_seq_len": 1024, "flat_entropy": 1.0, "dense_density": 1.0}  # the sparse path runs
 CONTEXT = " ".join(f"Paragraph {i}: the river town number {i} trades wool and salt." for i in range(1, 30))
 
 
