@@ -272,6 +272,17 @@ def _probs_of(d: torch.Tensor, mode: int, e):
     return d.pow(e)
 
 
+def _slope_and_probs(d: torch.Tensor, mode: int, am1, ct):
+    """For ``d = [(α-1)·s - τ]_+``: ``u = ∂p/∂s`` (the weight of ``dz = u ⊙ (g - δ)``) and the unnormalised
+    ``p = d^(1/(α-1))``; ``am1`` = α - 1 (float or broadcastable)."""
+    if mode == 1:
+        return d, d * d
+    if mode == 2:
+        return (d > 0).to(ct), d
+    u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
+    return u, u * d
+
+
 def _gathered_rows_add(out: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, src: torch.Tensor,
                        weight: torch.Tensor) -> None:
     """``out[dst[i]] += weight[i] · table[src[i]]`` in slices of ``_GATHER_ROWS`` entries."""
@@ -555,13 +566,7 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
             z = softcap * t
         am1 = am1_all[hrow] if mode == 0 else (0.5 if mode == 1 else 1.0)
         d = (z * am1 - tau_f[qrow]).clamp_(min=0)
-        if mode == 1:
-            u, p = d, d * d
-        elif mode == 2:
-            u, p = (d > 0).to(ct), d
-        else:
-            u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
-            p = u * d
+        u, p = _slope_and_probs(d, mode, am1, ct)
         p = p / norm_f[qrow]
         g = _row_dots(doflat, qrow, vflat, krow)  # dO_i · v_j
         r0 = int(qrow.min())
@@ -623,13 +628,7 @@ def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool
         head = cbh % hq
         am1 = am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0)
         d = (s - tau_f.view(-1, TILE)[crt].unsqueeze(-1)).clamp_(min=0).masked_fill_(~keep, 0)
-        if mode == 1:
-            u, p = d, d * d
-        elif mode == 2:
-            u, p = (d > 0).to(ct), d
-        else:
-            u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
-            p = u * d
+        u, p = _slope_and_probs(d, mode, am1, ct)
         p = p / norm_f.view(-1, TILE)[crt].unsqueeze(-1)
         do_t, q_t = dot_.index_select(0, crt), qt_.index_select(0, crt)
         g = torch.bmm(do_t, vt_.index_select(0, kv_tile).transpose(1, 2))  # dO_i · v_j
