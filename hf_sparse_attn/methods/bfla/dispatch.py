@@ -43,6 +43,13 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
+def _keys_for_lists(q: torch.Tensor, k: torch.Tensor, config: BflaConfig) -> torch.Tensor:
+    """K as the plan and the attention of one call see it: repeated once per query head where the config keeps one
+    list per query head (so :func:`make_plan` and :func:`attend` do not each repeat it; :func:`attend` repeats V
+    only when it runs), else unchanged."""
+    return _repeat_kv(k, q.shape[1]) if lists_per_query_head(q.shape[1], k.shape[1], config) else k
+
+
 def make_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,6 +118,7 @@ def bfla_attention(
     """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``. ``first_valid (B,)``:
     left padding (the first valid key of every batch row), honoured by the plan and every attention path."""
     kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
+    k = _keys_for_lists(q, k, config)
     plan = make_plan(q, k, first_valid=first_valid, **kw)
     return attend(q, k, v, plan, **kw), plan
 
@@ -152,7 +160,8 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
             layer.stats = {"dense": True, "path": "dense", "dense_reason": dense_reason}
         return _dense(q, k, v, mask, causal=causal, **kw)
     fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
-    plan = make_plan(q, k, first_valid=fv, config=config, **kw)
+    k_l = _keys_for_lists(q, k, config)
+    plan = make_plan(q, k_l, first_valid=fv, config=config, **kw)
     dense_reason = _density_rule(q, k, v, plan, config)
     if dense_reason is not None:
         log_once(
@@ -161,7 +170,7 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
         )
         out = _dense(q, k, v, mask, causal=causal, **kw)
     else:
-        out = attend(q, k, v, plan, config=config, **kw)
+        out = attend(q, k_l, v, plan, config=config, **kw)
     if layer is not None:
         layer.stats = {**_plan_stats(q, k, plan), "path": "sparse" if dense_reason is None else "dense",
                        "dense_reason": dense_reason}
