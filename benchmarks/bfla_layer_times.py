@@ -6,6 +6,7 @@ real text), min of ``--reps`` runs.
     .venv/bin/python benchmarks/bfla_layer_times.py --length 8192 --layers 3,15,27 --threads 1
     .venv/bin/python benchmarks/bfla_layer_times.py --model gemma3-270m --length 16384 --layers 5,11,17 \
         --head-lists head,group
+    .venv/bin/python benchmarks/bfla_layer_times.py --min-run-blocks 1000000,4,2   # sparse pass per gather setting
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def _best(fn, reps: int) -> float:
     return min(times)
 
 
-def _layer_line(layer, q, k, v, scale, cfg, reps: int) -> str:
+def _layer_line(layer, q, k, v, scale, cfg, reps: int, min_runs: list[int]) -> str:
     from hf_sparse_attn.methods import bfla
+    from hf_sparse_attn.methods.bfla import attend_cpu
     from hf_sparse_attn.methods.bfla.dispatch import attend, make_plan
 
     with torch.no_grad():
@@ -34,10 +36,17 @@ def _layer_line(layer, q, k, v, scale, cfg, reps: int) -> str:
             q, k, v, is_causal=True, scale=scale, enable_gqa=True), reps)
         plan = make_plan(q, k, scale=scale, config=cfg)
         t_plan = _best(lambda: make_plan(q, k, scale=scale, config=cfg), reps)
-        t_pass = _best(lambda: attend(q, k, v, plan, scale=scale, config=cfg), reps)
-    return (f"layer {layer} ({cfg.head_lists} lists): dense {dense * 1e3:.0f} | plan {t_plan * 1e3:.0f} "
-            f"| sparse pass {t_pass * 1e3:.0f} "
-            f"| density {float(bfla.plan_density(plan).mean()):.3f}")
+        passes = []
+        default = attend_cpu.MIN_RUN_BLOCKS
+        try:
+            for m in min_runs or [default]:  # runs of >= m kept blocks attended as views, the rest gathered
+                attend_cpu.MIN_RUN_BLOCKS = m
+                t = _best(lambda: attend(q, k, v, plan, scale=scale, config=cfg), reps)
+                passes.append(f"sparse pass {t * 1e3:.0f}" + (f" (runs >= {m} as views)" if min_runs else ""))
+        finally:
+            attend_cpu.MIN_RUN_BLOCKS = default
+    return (f"layer {layer} ({cfg.head_lists} lists): dense {dense * 1e3:.0f} | plan {t_plan * 1e3:.0f} | "
+            + " | ".join(passes) + f" | density {float(bfla.plan_density(plan).mean()):.3f}")
 
 
 def main(argv=None) -> int:
@@ -52,7 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="default: torch's")
     ap.add_argument("--rows-per-block", type=int, default=None, help="bfla's estimate rows (default: its default)")
-    ap.add_argument("--head-lists", default="auto", help="comma-separated head_lists settings to time")
+    ap.add_argument("--head-lists", default="group", help="comma-separated head_lists settings to time")
+    ap.add_argument("--min-run-blocks", default="", help="comma-separated MIN_RUN_BLOCKS settings of the CPU pass")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,11 +70,12 @@ def main(argv=None) -> int:
     caps = capture_qkv(model.eval(), tok, args.length, [int(x) for x in args.layers.split(",")])
     rows = {} if args.rows_per_block is None else {"rows_per_block": args.rows_per_block}
     cfgs = [bfla.BflaConfig(head_lists=h, **rows) for h in args.head_lists.split(",")]
+    min_runs = [int(x) for x in args.min_run_blocks.split(",") if x]
     print(f"# {args.model}, {args.length} tokens, {torch.get_num_threads()} threads, {cfgs[0].rows_per_block} rows "
           f"per block, min of {args.reps}, ms")
     for layer, (q, k, v, s) in sorted(caps.items()):
         for cfg in cfgs:
-            print(_layer_line(layer, q, k, v, s, cfg, args.reps), flush=True)
+            print(_layer_line(layer, q, k, v, s, cfg, args.reps, min_runs), flush=True)
     return 0
 
 
