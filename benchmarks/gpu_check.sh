@@ -73,7 +73,7 @@ section bfla_bench 120 "$PY" benchmarks/bench_bfla_gpu.py --out "$W/bfla_bench.j
 section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
   --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$W/windowed"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash (its own script; tests ran above).
-section entmax_bench 110 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
+section entmax_bench 180 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
 
 # The plan in two Triton launches (issue 16): launches / aten ops / host syncs of one build_plan call at 8k (PyTorch
 # path vs kernels/bfla_plan.py), then plan time per layer vs SDPA flash, bf16 GQA 32/8 d128, 8k..128k. Targets:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Entmax part of the one-shot GPU check (DESIGN §9): Triton kernel tests on CUDA, then the benchmark grid
 # (bf16, causal, head_dim 128, GQA 32/8, 8k-32k; forward and forward+backward of entmax α=1.5 vs SDPA flash, and
-# AdaSplash when importable). Writes $OUT/entmax_gpu.json (+ the pytest log). Sized for < 3 min on one H200.
+# AdaSplash when importable), first on Q/K captured from SmolLM2 (gpu_inputs/, tile sparsity beside every timing), then
+# on random inputs (the worst case: no tile can be skipped). Writes $OUT/entmax_gpu.json (+ the pytest log). < 4 min.
 # Self-checking: exits non-zero when a CUDA test fails or the kernel disagrees with the PyTorch path.
 #   OUT=/tmp/out bash benchmarks/gpu_check_entmax.sh
 set -uo pipefail
@@ -18,7 +19,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then  # gpu_check.sh runs the tests itself and sets
   tail -3 "$OUT/entmax_pytest.log"
 fi
 
-timeout 150 "$PY" -P - "$OUT" <<'EOF' || status=1
+# AdaSplash 0.2.2 (pure Python + Triton) from the wheel brought in the working tree: vendor/wheels is git-ignored,
+# so the device tool needs carry=["vendor", "gpu_inputs"]; `pip download adasplash==0.2.2 --no-deps -d vendor/wheels`
+if ls vendor/wheels/adasplash-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-deps --target "$OUT/.adasplash" vendor/wheels/adasplash-*.whl >/dev/null 2>&1 \
+    && export PYTHONPATH="$OUT/.adasplash${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+timeout 200 "$PY" -P - "$OUT" <<'EOF' || status=1
 import json, statistics, sys, time, traceback
 import torch
 import torch.nn.functional as F
@@ -97,12 +105,71 @@ except Exception:  # noqa: BLE001
     adasplash = None
 res["adasplash"] = adasplash is not None
 
+
+def tile_sparsity(q, k, v, alpha=1.5):
+    """Fraction of visible 64×64 tiles without a non-zero weight (what the output pass and the backward skip)."""
+    st = {}
+    with torch.no_grad():
+        E.entmax_attention(q, k, v, None, alpha=alpha, stats=st)
+    return E.tile_fractions(st["tiles"])["skipped"], st["diag"].tolist()
+
+
+def compare_row(row, q, k, v, rep):
+    """Forward and forward+backward of SDPA flash, our entmax and AdaSplash (K/V repeated: it takes no GQA)."""
+    def flash(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                  is_causal=True)
+
+    def ada(q, k, v):
+        return adasplash(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), alpha=1.5, is_causal=True)
+
+    def ours(q, k, v):
+        return E.entmax_attention(q, k, v, None, alpha=1.5)
+
+    fns = {"sdpa": flash, "entmax15": ours, **({"adasplash": ada} if adasplash is not None else {})}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            row[f"{name}_fwd_s"] = timed(lambda fn=fn: fn(q, k, v))
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    for name, fn in fns.items():
+        row[f"{name}_fwdbwd_s"] = timed(fwd_bwd(fn, qg, kg, vg))
+    for key in list(row):
+        if key.endswith("_s") and not key.startswith("sdpa"):
+            base = row["sdpa_fwd_s"] if "_fwd_s" in key else row["sdpa_fwdbwd_s"]
+            row[key.replace("_s", "_ratio")] = row[key] / base
+
+
+# --- realistic inputs first: Q/K captured from SmolLM2 (gpu_inputs/qk_*.safetensors, made on the CPU machine by
+#     `bench_bfla_gpu_real.py export`; V random: the tile pattern depends on Q/K only), with the tile sparsity
+import glob
+from safetensors.torch import load_file
+
+res["real"] = []
+for path in sorted(glob.glob("gpu_inputs/qk_*.safetensors")):
+    tensors = load_file(path, device=dev)
+    for name in sorted(n for n in tensors if n.startswith("q.")):
+        layer = name.split(".")[1]
+        row = {"inputs": path, "layer": int(layer)}
+        try:
+            q = tensors[f"q.{layer}"].to(torch.bfloat16)
+            k = tensors[f"k.{layer}"].to(torch.bfloat16)
+            v = torch.randn_like(k)
+            row["n"] = q.shape[2]
+            row["tiles_skipped"], row["diag"] = tile_sparsity(q, k, v)
+            compare_row(row, q, k, v, q.shape[1] // k.shape[1])
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc()[-2000:]
+        res["real"].append(row)
+        print(json.dumps(row), flush=True)
+
 t_start = time.time()
 for n in (8192, 16384, 32768):
     row = {"n": n}
     try:
         with torch.no_grad():
             q, k, v = qkv(n)
+            row["tiles_skipped"], row["diag"] = tile_sparsity(q, k, v)
             row["sdpa_fwd_s"] = timed(lambda: sdpa(q, k, v))
             row["entmax15_fwd_s"] = timed(lambda: E.entmax_attention(q, k, v, None, alpha=1.5))
             if adasplash is not None:
