@@ -479,12 +479,14 @@ TOL = 1e-4
 MAX_ITER = 30  # output passes at most (each after the first is one Newton update of the rows not yet within TOL)
 
 
-def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, visits=None, tol: float = TOL):
+def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, visits=None, tol: float = TOL,
+            blocks=None):
     """Launch the forward kernel. Returns (out, τ, row sums, support sizes, tile mask, diag) like ``entmax_fwd``;
     diag = [τ updates after the histogram bracket (1 = the pass-B update only; each more is one more output pass)
     of the slowest query block, max |Σp - 1| before the final normalisation], computed on the device (no sync).
     ``visits`` (test only): a zeroed uint8 tensor shaped like the tile mask; the kernel sets 1 where its last output
-    pass ran P·V. ``tol``: the |Σp - 1| a row must reach (:data:`TOL`)."""
+    pass ran P·V. ``tol``: the |Σp - 1| a row must reach (:data:`TOL`). ``blocks`` (benchmarks): a list that receives
+    the (query blocks, 2) tensor of per-block [τ updates, |Σp - 1|] behind ``diag``."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -508,6 +510,8 @@ def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, 
         HEAD_DIM=dh, BLOCK_M=bm, BLOCK_N=bn, MODE=int(mode), HAS_SOFTCAP=bool(softcap),
         HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, COUNT=visits is not None, num_warps=warps,
     )
+    if blocks is not None:
+        blocks.append(per_block)
     return out, tau, norm, supp, tiles, per_block.amax(0)
 
 
