@@ -87,8 +87,9 @@ def entmax_layer_stats(state: LayerState) -> dict[str, Any]:
     """Plain numbers of the last call: ``zero_fraction`` (exact zeros among the allowed weights), ``density``,
     ``key_tiles_skipped_fwd`` (visible 64×64 key tiles whose weights are all zero: the output pass skips them) and
     ``key_tiles_skipped_bwd`` (the same tiles, skipped by the backward; None when the call did not need one),
-    ``tau_updates`` / ``sum_error`` (τ updates of the slowest chunk, max |Σp - 1| before renormalisation; NaN
-    where the kernel does not measure them)."""
+    ``tau_updates`` / ``sum_error`` (τ updates of the slowest chunk — on CUDA of the slowest query block: 1 = the
+    kernel's update after its histogram bracket, each more one more output pass — and max |Σp - 1| before the final
+    renormalisation)."""
     st = state.stats
     out: dict[str, Any] = {}
     if "support" in st and "allowed" in st:
