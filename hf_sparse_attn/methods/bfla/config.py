@@ -61,7 +61,7 @@ class BflaConfig(MethodConfig):
       malformed file: a clear error). Layers the profile does not list keep ``keep_mass``.
       ``keep_mass`` may also be a tuple with one value per query head (what a profile gives each layer).
 
-    * ``dense_density=0.6`` — the "never slower than dense" rule (CPU inference; training keeps its sparse
+    * ``dense_density=0.7`` — the "never slower than dense" rule (CPU inference; training keeps its sparse
       pattern): after the plan, a layer whose selected density (kept / causal tiles, rescues included, mean over
       batch rows and KV heads) exceeds it runs the exact dense path instead, reported by ``handle.stats()`` per
       layer as ``path="dense"`` with ``dense_reason``. Measured on SmolLM2 Q/K/V (2 threads, the worker-pool
@@ -72,6 +72,11 @@ class BflaConfig(MethodConfig):
       dense; the plan (≈ 3–10 % of that layer's dense time) is the only cost left there. ``dense_density=1.0``
       disables the rule (the sparse kernel always runs; what the keep-all tests use). Below ``min_seq_len`` no plan
       is built at all. On CUDA the rule is not applied (it would need a host read of the density).
+      The default was 0.6 until 2026-12-02; with it about six SmolLM2 layers per 8k prompt ran dense, and the attended
+      density was 0.522 (12 RULER samples, ``benchmarks/density_rules.py``) against 0.486 at 0.7. The six-task grid
+      at 0.7 (10 samples per task): 8k 35.7 vs dense 36.5 at attended density 0.486 (0.6: 35.7 at ≈ 0.52), 4k 48.2 vs
+      49.0 at 0.68 (0.6: 47.8). Prefill at 2 threads, idle (``hf-sparse-attn bench --no-op``): 4k 0.93× / 0.94× of
+      dense speed (prose / random tokens; 0.6: 0.87× / 0.91×), 8k 1.14× / 1.10× (0.6: 1.14× / 1.24×).
     * ``backend="auto"`` on CPU: the gather path on a worker pool (:mod:`.cpu_threads`), not ``flex``: measured
       at 8k (SmolLM2 layer 15, machine loaded), the compiled flex kernel alone took 2.5 s (2 threads) / 1.6 s
       (1 thread) where the pooled gather pass took ≈ 1.0 s, and flex's first compile took 254 s without an
@@ -109,7 +114,7 @@ class BflaConfig(MethodConfig):
     antidiag_stride: int = 16
     backend: str = "auto"
     profile: str | None = None
-    dense_density: float = 0.6
+    dense_density: float = 0.7
     head_lists: str = "group"
 
     def validate(self) -> None:
