@@ -50,11 +50,13 @@ class BflaConfig(MethodConfig):
     * ``flat_entropy=0.8``: measured per head, the mean normalized entropy of the estimated block distribution
       tracks the density the head needs: heads above 0.8 (e.g. most of layer 0) need 75–90 % of the blocks, where
       the sparse path is slower than dense and saves nothing, so the whole KV head runs densely (exact).
-    * ``min_seq_len=3072``: measured CPU attention-op speed-up over dense SDPA (1 thread, estimate + sparse):
-      1.70× at 4k (density 0.47), 1.98× at 8k (0.39; 10 layers), 3.03× at 16k (0.24; 5 layers, Q/K beyond
-      SmolLM2's 8k context). At 4k the rescue floor (sink + local band + last block) is already ~15 % of the
-      tiles and the gain is small; below it the per-block overhead makes the sparse path no faster than dense.
-      The threshold sits under 4k so that prompts of a "4k" budget (≈ 3.9k tokens) take the sparse path.
+    * ``min_seq_len=6144``: where the whole prefill starts to gain. SmolLM2 end-to-end prefill, bfla ÷ dense speed at
+      2 threads on an idle 2-core CPU (``hf-sparse-attn bench --no-op``, prose / random tokens, 2026-12-02): 4k
+      0.93× / 0.94×, 5k 0.94× / 0.93×, 6k 0.99× / 1.02×, 8k 1.14× / 1.10× — the plan (8 sample rows per block,
+      ≈ 17 % of a layer's dense time) and the per-block work cost more than the skipped tiles save below ≈ 6k, so
+      shorter prompts run the exact dense path (DESIGN: "default 4096–8192, measured"). It was 3072 until then
+      (1-thread attention-op figures: 1.70× at 4k, 1.98× at 8k); RULER at 4k with ``min_seq_len=3072``:
+      README. Set it lower to sparsify shorter prompts (the tests do).
 
     * ``profile``: a JSON file written by ``hf-sparse-attn calibrate`` (:mod:`.profile`) with a ``keep_mass`` per layer
       and KV head measured for one model; read when a layer is patched (another model's profile, a missing or
@@ -108,7 +110,7 @@ class BflaConfig(MethodConfig):
     local: int = 1
     dense_last_blocks: int = 1
     flat_entropy: float = 0.8
-    min_seq_len: int = 3072
+    min_seq_len: int = 6144
     estimator: str = "rows"
     rows_per_block: int = 8
     antidiag_stride: int = 16

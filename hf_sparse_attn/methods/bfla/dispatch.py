@@ -208,7 +208,7 @@ def layer_stats(state: LayerState) -> dict[str, Any]:
     also when the dense path then ran; None without a plan) and ``density_per_head`` (per list of the sparse path:
     KV heads, or query heads with per-query-head lists); all None on layers bfla does not sparsify (sliding-window
     layers: see their ``band_density``). ``path``: "sparse" or "dense" (which attention ran); ``dense_reason``: why
-    the dense path ran (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 3072"`` or ``"selected
+    the dense path ran (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 6144"`` or ``"selected
     density 0.86 > dense_density 0.7"``."""
     st = state.stats
     route = {"path": st.get("path"), "dense_reason": st.get("dense_reason")}
