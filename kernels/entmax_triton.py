@@ -184,6 +184,7 @@ def _entmax_fwd_kernel(
     cbase = base
     lanes = tl.zeros([BLOCK_M, BLOCK_N], tl.uint64)
     cnt = tl.zeros([BLOCK_M, HIST_FIELDS], tl.int32)
+    one = tl.full([BLOCK_M, BLOCK_N], 1, tl.uint64)
     i = 0
     for start in range(lo_key, hi_key, BLOCK_N):
         s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
@@ -196,7 +197,6 @@ def _entmax_fwd_kernel(
         base = new_base
         ok = s > float("-inf")
         j = _bin_of(s, ok, base)
-        one = tl.full([BLOCK_M, BLOCK_N], 1, tl.uint64)
         lanes += tl.where(ok & (j >= 0), one << (4 * tl.maximum(j, 0)).to(tl.uint64), 0)
         i += 1
         if i % (HIST_FIELDS - 1) == 0:
@@ -224,7 +224,8 @@ def _entmax_fwd_kernel(
         p, u = _pow_terms(tl.maximum(s - t[:, None], 0.0), em1, MODE)
         f += tl.sum(p, 1)
         fp += tl.sum(u, 1)
-        count += tl.sum(tl.where(s > t[:, None], 1.0, 0.0), 1)
+        if MODE == 1:  # f'' for Halley (the other modes take a Newton step)
+            count += tl.sum(tl.where(s > t[:, None], 1.0, 0.0), 1)
         cand = tl.max(tl.max(tl.where(s > tau_cand[:, None], 1, 0), 1), 0) > 0
         tl.store(TILES + tile_row + start // BLOCK_N, tl.where(cand, 3, 1).to(tl.uint8))
     f = f - 1.0
