@@ -28,6 +28,7 @@ import torch
 _POOL: ThreadPoolExecutor | None = None
 _POOL_KEY: tuple[int, int] = (0, 0)  # (workers, pid): a forked child does not inherit the threads, it builds its own
 _POOL_LOCK = threading.Lock()
+_PREFIX = "hfsa-cpu"
 
 
 def _init_worker() -> None:
@@ -43,7 +44,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         if _POOL is None or _POOL_KEY != key:
             if _POOL is not None and _POOL_KEY[1] == key[1]:
                 _POOL.shutdown(wait=True)
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hfsa-cpu", initializer=_init_worker)
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=_PREFIX, initializer=_init_worker)
             _POOL_KEY = key
         return _POOL
 
@@ -64,10 +65,12 @@ def single_threaded_ops() -> Iterator[int]:
 
 def parallel_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:
     """``[fn(x) for x in items]`` on ``workers`` pool threads, every torch op inside single-threaded; items are
-    handed out one at a time (dynamic balance: pass the costliest first). ``workers <= 1``: inline, one thread."""
+    handed out one at a time (dynamic balance: pass the costliest first). ``workers <= 1`` or a call from a pool
+    thread: inline, one thread."""
     items = list(items)
     with single_threaded_ops():
-        if workers <= 1 or len(items) <= 1:
+        if workers <= 1 or len(items) <= 1 or threading.current_thread().name.startswith(_PREFIX):
+            # inline: one worker, one item, or called from a pool thread (nested maps would wait on themselves)
             return [fn(x) for x in items]
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 

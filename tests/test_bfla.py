@@ -526,24 +526,51 @@ def test_shape_masks_are_built_once_and_usable_after_inference_mode():
 
 @pytest.mark.parametrize("sq,skv", [(300, 300), (236, 300), (263, 300)], ids=["prefill", "aligned-offset", "offset"])
 def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
-    """Batch 1 without autograd on CPU (the split path): mask-free flash over the fully visible tiles, the diagonal
-    tile through flash's own causal mask when it is aligned with the query block, else an explicit softmax."""
+    """Batch 1 without autograd on CPU (the split path): where the query blocks start on key-block boundaries, the
+    kept tiles before the diagonal through one mask-free flash call and the diagonal tile through a second call
+    with an additive causal mask (``_attend_aligned``); otherwise mask-free flash over the fully visible tiles and an
+    explicit softmax for the rest (``_attend_split``)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    causal_calls = []
+    masked_calls = []
 
     class Spy:
         def __call__(self, *a, **kw):
-            causal_calls.append(a[4])
+            masked_calls.append(kw.get("attn_mask") is not None)
             return flash(*a, **kw)
 
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", Spy())
     q, k, v = _qkv(hq=6, hkv=2, sq=sq, skv=skv, d=16, seed=7)
+    cfg = _cfg(block_size=32, keep_mass=0.5)
     with torch.no_grad():
-        out, plan = bfla.bfla_attention(q, k, v, scale=0.25, config=_cfg(block_size=32, keep_mass=0.5))
+        plan = bfla.make_plan(q, k, scale=0.25, config=cfg)
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", Spy())
+        out = bfla.attend(q, k, v, plan, scale=0.25, config=cfg)
     ref, _ = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 32)
     assert bfla.plan_density(plan).mean() < 1
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert any(causal_calls) == ((skv - sq) % 32 == 0)  # the diagonal shortcut runs exactly when aligned
+    assert any(masked_calls) == ((skv - sq) % 32 == 0)  # the aligned path runs exactly when aligned
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,sq,skv,d,bs,r",
+    [(1, 4, 2, 1000, 1000, 16, 32, 4), (2, 6, 2, 700, 900, 8, 16, 3), (1, 3, 3, 2048, 2048, 64, 128, 8),
+     (1, 2, 1, 200, 333, 4, 16, 16), (1, 4, 1, 513, 513, 8, 32, 5)],
+)
+def test_fused_cpu_estimate_equals_reference(b, hq, hkv, sq, skv, d, bs, r):
+    """The CPU ``rows`` estimate through the flash kernel with ``V`` = the key-block indicator (key spans of ``D``
+    blocks, the chunk's own keys under an additive causal mask, merged by log-sum-exp) equals the explicit softmax
+    reference within fp32 rounding, with any number of worker threads: GQA, offsets not on a block boundary,
+    ``D`` smaller than the number of blocks, partial last blocks, batch 2."""
+    from hf_sparse_attn.methods.bfla.estimate import _estimate_rows_fused
+
+    q, k, _ = _qkv(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, seed=3)
+    q, k = q * 2, k * 2  # peaked rows
+    ref = bfla._estimate_rows(q, k, d**-0.5, None, bs, r, None)
+    for workers in (1, 2):
+        got = _estimate_rows_fused(q, k, d**-0.5, bs, r, workers)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+    got16 = _estimate_rows_fused(q.half(), k.half(), d**-0.5, bs, r)
+    torch.testing.assert_close(got16, bfla._estimate_rows(q.half(), k.half(), d**-0.5, None, bs, r, None),
+                               atol=2e-6, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------- per-query-head lists

@@ -87,6 +87,53 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
     return o.reshape(rep, rows, d).to(qq.dtype)
 
 
+def _sdpa_lse(q, k, v, scale, mask=None):
+    """CPU flash attention of ``(L, D)`` keys/values for ``(1, 1, R, D)`` queries: ``(out (1,1,R,D), lse (1,1,R))``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k[None, None], v[None, None], 0.0, False, attn_mask=mask, scale=scale
+    )
+
+
+def _kept_keys(ids: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor, kb_h, vb_h, bs: int):
+    """K/V ``(n*bs, D)`` of the kept blocks ``ids`` (ascending): a view when they are consecutive, else a gather."""
+    n, first = ids.numel(), int(ids[0])
+    if int(ids[-1]) - first == n - 1:
+        return k_h[first * bs : (first + n) * bs], v_h[first * bs : (first + n) * bs]
+    return kb_h.index_select(0, ids).flatten(0, 1), vb_h.index_select(0, ids).flatten(0, 1)
+
+
+def _attend_aligned(qq, kb_h, vb_h, k_h, v_h, ids_i, diag: int, scale: float, diag_mask) -> torch.Tensor:
+    """No-grad fast path for one query block whose first query is the first position of key block ``diag`` (a
+    prefill with a block-aligned cache, no window, padding or softcap): every kept block before ``diag`` is visible
+    to all its queries, so they go through one mask-free flash call (a view of K/V when they are consecutive); the
+    diagonal block, when kept, through a second call with the causal ``diag_mask (rep*rows, bs)`` (additive); the
+    two merged by their log-sum-exps. The KV group's query heads are packed as the rows of each call.
+
+    ``qq (rep, rows, D)``, ``ids_i (n,)`` kept ids ascending. Returns ``(rep * rows, D)`` in ``qq``'s dtype."""
+    rep, rows, d = qq.shape
+    bs = kb_h.shape[1]
+    q2 = qq.reshape(1, 1, rep * rows, d)
+    has_diag = int(ids_i[-1]) == diag
+    before = ids_i[:-1] if has_diag else ids_i
+    parts = []
+    if before.numel():
+        parts.append(_sdpa_lse(q2, *_kept_keys(before, k_h, v_h, kb_h, vb_h, bs), scale))
+    if has_diag:
+        parts.append(_sdpa_lse(q2, kb_h[diag], vb_h[diag], scale, diag_mask))
+    if len(parts) == 1:
+        return parts[0][0].view(rep * rows, d)
+    (o1, l1), (o2, l2) = parts
+    lse = torch.logaddexp(l1, l2)
+    o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    return o.view(rep * rows, d).to(qq.dtype)
+
+
+def _causal_tile_mask(rep: int, rows: int, bs: int, dtype) -> torch.Tensor:
+    """``(rep*rows, bs)`` additive mask of a diagonal tile: query ``t`` of each head sees keys ``<= t``."""
+    keep = torch.ones(rows, bs, dtype=torch.bool).tril()
+    return torch.zeros(rows, bs, dtype=dtype).masked_fill_(~keep, float("-inf")).repeat(rep, 1)
+
+
 def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window):
     """The no-grad CPU path: every (batch row, KV head, query block) item through :func:`_attend_split`, the items
     spread over ``torch.get_num_threads()`` pool threads with single-threaded ops (:mod:`.cpu_threads`), each
@@ -108,6 +155,10 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
         items += [(cnt[r][h][i], r, h, i) for r in range(b) for i in range(counts.shape[2])]
     items.sort(reverse=True)  # costliest first: the pool hands items out one by one
 
+    aligned = fv is None and softcap is None and sliding_window is None and off % bs == 0
+    if aligned:  # prefill from a block boundary: the lean two-call path (:func:`_attend_aligned`)
+        tile_mask = {rows: _causal_tile_mask(rep, rows, bs, q.dtype) for rows in {bs, sq - (sq - 1) // bs * bs}}
+
     def run(item):
         n, r, h, i = item
         r0, r1 = i * bs, min(sq, (i + 1) * bs)
@@ -115,10 +166,15 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
         if n == 0:  # only padding queries (left padding): no key for any row
             dst.zero_()
             return
+        qq, sel = q[r, h * rep : (h + 1) * rep, r0:r1], ids[r, h, i, :n]
+        if aligned:
+            o = _attend_aligned(qq, kb[r, h], vb[r, h], k[r, h], v[r, h], sel, i + off // bs, scale, tile_mask[r1 - r0])
+            dst.copy_(o.view(rep, r1 - r0, d))
+            return
         q_pos = torch.arange(r0, r1) + off
         first = 0 if fv is None else int(fv[r])
-        dst.copy_(_attend_split(q[r, h * rep : (h + 1) * rep, r0:r1], kb[r, h], vb[r, h], k[r, h], v[r, h],
-                                ids[r, h, i, :n], bs, skv, r0 + off, q_pos, scale, softcap, sliding_window, first))
+        dst.copy_(_attend_split(qq, kb[r, h], vb[r, h], k[r, h], v[r, h], sel, bs, skv, r0 + off, q_pos, scale,
+                                softcap, sliding_window, first))
 
     parallel_map(run, items, torch.get_num_threads())
     return out

@@ -15,6 +15,7 @@ from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
 from .config import BflaConfig, lists_per_query_head, use_triton
 from .cpu_threads import build_plan_parallel
+from .estimate import fused_rows_ok
 from .select import build_plan
 
 
@@ -60,13 +61,15 @@ def make_plan(
     config: BflaConfig,
     first_valid: torch.Tensor | None = None,
 ) -> BflaPlan:
-    """The plan of one call: on CPU one KV group per worker thread (:mod:`.cpu_threads`), else :func:`build_plan`.
-    Both give the same lists: ``counts (B,H,NQ)`` with ``H`` = the KV heads, or the query heads where the config
+    """The plan of one call: :func:`build_plan`, whose CPU ``rows`` estimate runs its chunks on the worker threads
+    (:func:`.estimate._estimate_rows_fused`); on CPU otherwise one KV group per worker thread (:mod:`.cpu_threads`).
+    All give the same lists: ``counts (B,H,NQ)`` with ``H`` = the KV heads, or the query heads where the config
     keeps one list per query head (:func:`.config.lists_per_query_head`; the estimate is the same, the union over
     the group is skipped)."""
     if lists_per_query_head(q.shape[1], k.shape[1], config):
         k = _repeat_kv(k, q.shape[1])
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not (config.estimator == "rows" and fused_rows_ok(q, softcap, sliding_window,
+                                                                                    first_valid)):
         return build_plan_parallel(
             q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid,
             workers=torch.get_num_threads(),

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...tiles import _cdiv, _query_spans, _token_keep, block_valid, valid_rows
+from ..base import shape_cached
 from .config import BflaConfig, use_triton
 
 
@@ -91,6 +92,89 @@ def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window, first_valid=None
     return torch.cat(out, dim=2)
 
 
+@shape_cached
+def _block_indicator(n_blocks: int, bs: int, width: int, device) -> torch.Tensor:
+    """``(n_blocks * bs, width)`` fp32 one-hot: key ``t`` -> column ``t // bs`` (``width >= n_blocks``)."""
+    t = torch.arange(n_blocks * bs, device=device)
+    return F.one_hot(t // bs, width).to(torch.float32)
+
+
+def _key_spans(p_end: int, last: int, bs: int, width: int) -> list[tuple[int, int]]:
+    """Key ranges ``[s0, s1)`` covering ``[0, last)`` that each touch at most ``width`` key blocks and do not straddle
+    ``p_end``: ``[0, p_end)`` in pieces aligned to ``width`` blocks, then ``[p_end, last)`` (maybe unaligned)."""
+    spans = [(s0, min(p_end, s0 + width * bs)) for s0 in range(0, p_end, width * bs)]
+    s0 = p_end
+    while s0 < last:
+        s1 = min(last, (s0 // bs + width) * bs)
+        spans.append((s0, s1))
+        s0 = s1
+    return spans
+
+
+def _sdpa_cpu(q, k, v, scale, mask=None):
+    """CPU flash attention with its log-sum-exp: ``(out, lse)``; ``mask``: additive fp32, or None."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
+    """The CPU form of :func:`_estimate_rows` (no softcap, window or padding; same values within fp32 rounding).
+
+    A sampled row's block masses are its softmax times the key-block indicator ``E (keys, blocks)``: attention with
+    ``V = E``, which the fused CPU flash kernel computes in one pass (no score matrix in memory). Per KV group and
+    chunk of ``step`` query blocks (the group's query heads packed as the rows of one call): the keys before the
+    chunk, which every sampled row sees whole, in segments of ``D`` key blocks (``V`` must be ``D`` wide); the
+    chunk's own keys with an additive causal mask (the same for every full chunk); the parts merged by their
+    log-sum-exps. Chunks run on ``workers`` pool threads (:mod:`hf_sparse_attn.cpu_threads`)."""
+    from ...cpu_threads import parallel_map
+
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
+    off = skv - sq
+    rows = _sampled_rows(sq, bs, r, q.device)  # (NQ, r)
+    kf = k.float()
+    ind = _block_indicator(d, bs, d, q.device)
+    out = torch.empty(b, hkv, rep, nq, nk, dtype=torch.float32, device=q.device)
+    masks: dict[tuple, torch.Tensor] = {}
+
+    def local_mask(rel: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Additive mask (rows, keys): -inf where the key is after the row; and the rows that see no key (the
+        flash kernel gives them lse 0, not -inf)."""
+        key = (tuple(rel.tolist()), length)
+        if key not in masks:
+            rel_rows = rel.repeat(rep)
+            allowed = torch.arange(length, device=q.device)[None, :] <= rel_rows[:, None]
+            mask = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
+            masks[key] = (mask, rel_rows < 0)
+        return masks[key]
+
+    def chunk(item):
+        h, i0 = item
+        rr = rows[i0 : i0 + step].reshape(-1)  # (n*r,) sampled rows
+        n = _cdiv(rr.numel(), r)
+        qs = q[:, h * rep : (h + 1) * rep, rr].float().reshape(b, 1, rep * rr.numel(), d)
+        kh = kf[:, h : h + 1]
+        p_end = off + i0 * bs  # keys [0, p_end) are visible to every sampled row of the chunk
+        last = min(skv, off + int(rr[-1]) + 1)
+        parts = []
+        for s0, s1 in _key_spans(p_end, last, bs, d):
+            mask, blind = local_mask(rr + off - s0, s1 - s0) if s0 >= p_end else (None, None)
+            e = ind[s0 % bs : s0 % bs + s1 - s0]  # key s0 + t -> column (s0 % bs + t) // bs
+            o, lse = _sdpa_cpu(qs, kh[:, :, s0:s1], e.expand(b, 1, s1 - s0, d), scale, mask)
+            if blind is not None and s0 > p_end:  # only spans after the chunk's first key can be blind to a row
+                lse = lse.masked_fill(blind, float("-inf"))
+            parts.append((s0 // bs, o[..., : _cdiv(s1, bs) - s0 // bs], lse))
+        total = torch.logsumexp(torch.stack([lse for _, _, lse in parts]), dim=0)[..., None]
+        acc = torch.zeros(b, 1, rep * n * r, nk, dtype=torch.float32, device=q.device)
+        for j, o, lse in parts:
+            acc[..., j : j + o.shape[-1]] += o * torch.exp(lse[..., None] - total)
+        out[:, h, :, i0 : i0 + n] = acc.view(b, rep, n, r, nk).mean(3)
+
+    parallel_map(chunk, [(h, i0) for i0 in range(0, nq, step) for h in range(hkv)][::-1], workers)
+    return out.view(b, hq, nq, nk)
+
+
 def _estimate_pooled(q, k, scale, softcap, bs, sliding_window, first_valid=None):
     """Mean query of each block against every key, masked at the block's last row (and the row's padding keys);
     block sums of its softmax."""
@@ -158,6 +242,11 @@ def _estimate_antidiag(q, k, scale, softcap, bs, stride, sliding_window, first_v
     return pq.unflatten(2, (nq, gpb)).sum(3) / groups[:, None]
 
 
+def fused_rows_ok(q, softcap, sliding_window, first_valid) -> bool:
+    """Whether :func:`_estimate_rows_fused` serves (CPU, no softcap / window / padding)."""
+    return q.device.type == "cpu" and not softcap and sliding_window is None and first_valid is None
+
+
 def estimate_block_mass(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -180,6 +269,8 @@ def estimate_block_mass(
                 q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, block_size=bs,
                 rows_per_block=config.rows_per_block, first_valid=first_valid,
             )
+        elif config.estimator == "rows" and fused_rows_ok(q, softcap, sliding_window, first_valid):
+            m = _estimate_rows_fused(q, k, scale, bs, min(config.rows_per_block, bs), torch.get_num_threads())
         elif config.estimator == "rows":
             m = _estimate_rows(q, k, scale, softcap, bs, min(config.rows_per_block, bs), sliding_window, first_valid)
         elif config.estimator == "pooled":
