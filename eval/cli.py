@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=["dense", "bfla"],
         help="comma-separated method names, NAME@TAG variants (a method with its own --method-config "
         "NAME@TAG.KEY=VALUE, e.g. bfla@km98: several settings against one dense run) or finetuned:PATH (a `finetune` "
-        "output folder, scored as <method>-ft); dense always runs",
+        "output folder, scored as <method>-ft) or unpatched (the stock transformers model, beside the exact patched "
+        "dense); dense always runs and is the baseline",
     )
     p.add_argument("--tasks", type=_csv, default=["niah_single_1"], help="RULER or LongBench task names")
     p.add_argument("--lengths", type=_ints, default=[4096], help="comma-separated token budgets")

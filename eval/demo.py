@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_sparse_attn import list_methods
 
     methods = [m for m in args.methods.split(",") if m]
-    missing = [m for m in methods if m not in list_methods() and not m.startswith("finetuned:")]
+    missing = [m for m in methods if m not in list_methods() and m != "unpatched" and not m.startswith("finetuned:")]
     if missing:
         kept = [m for m in methods if m not in missing]
         print(f"demo: method(s) {missing} are not registered in this build; running {kept}")

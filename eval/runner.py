@@ -8,7 +8,8 @@ once), ``NAME@TAG`` (a *variant* of method ``NAME`` with its own ``--method-conf
 ``NAME@TAG``: several settings of one method, e.g. ``bfla@km98``, scored against one dense run) or
 ``finetuned:PATH`` (the output folder of ``hf-sparse-attn finetune``, reloaded with
 :func:`hf_sparse_attn.finetune.load_finetuned`, fine-tuned from the same base model; its rows are labelled
-``<method>-ft`` and carry ``finetuned_from``; the model is freed after its rows). Dense stays the baseline.
+``<method>-ft`` and carry ``finetuned_from``; the model is freed after its rows). Dense (the exact patched path)
+stays the baseline; ``unpatched`` adds the stock transformers model as a row beside it.
 
 Under ``accelerate launch`` the samples are sharded over the processes and the rows gathered on the main process;
 rows are sorted, so ``results.json`` has the same content (timings aside) as a single-process run.
@@ -34,6 +35,7 @@ import torch
 from . import metrics, ruler
 
 BASELINE = "dense"
+UNPATCHED = "unpatched"  # the stock transformers model (no patch), a row beside the exact patched `dense`
 FINETUNED = "finetuned:"  # method spec prefix: finetuned:PATH
 VARIANT = "@"  # NAME@TAG: a variant of method NAME with its own method config
 _TAG = re.compile(r"[A-Za-z0-9_-]+")
@@ -145,7 +147,7 @@ def method_specs(cfg: EvalConfig) -> list[MethodSpec]:
             if method not in known:
                 raise ValueError(f"{m}: its method {method!r} is not registered; registered methods: {known}")
             entries.append((m, method, path))
-        elif m in known:
+        elif m in known or m == UNPATCHED:
             entries.append((m, m, None))
         elif VARIANT in m:
             name, _, tag = m.partition(VARIANT)
@@ -185,6 +187,8 @@ def validate(cfg: EvalConfig) -> list[MethodSpec]:
     specs = method_specs(cfg)
     plain = {s.label: s.method for s in specs if s.finetuned_from is None}
     for m, conf in cfg.method_configs.items():
+        if m == UNPATCHED:
+            raise ValueError(f"--method-config given for {UNPATCHED!r}: the stock model takes no method config")
         if m not in plain:
             extra = " (a fine-tuned folder uses its saved method config)" if m in {s.method for s in specs} else ""
             raise ValueError(f"--method-config given for {m!r}, which is not in --methods {list(plain)}{extra}")
@@ -283,16 +287,18 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 @contextlib.contextmanager
 def prepared_model(spec: MethodSpec, cfg: EvalConfig, base_model, device=None) -> Iterator[tuple[Any, Any]]:
-    """A model ready to score for ``spec``, as ``(model, handle)`` (``handle`` None for dense).
+    """A model ready to score for ``spec``, as ``(model, handle)`` (``handle`` None for ``unpatched``).
 
-    Plain methods patch ``base_model`` (loaded once by the caller) and remove the patch afterwards; ``finetuned:``
-    specs load their own model with :func:`hf_sparse_attn.finetune.load_finetuned` and free it afterwards.
+    Plain methods, ``dense`` among them (the exact patched path: on Gemma 3 the sliding layers over their band),
+    patch ``base_model`` (loaded once by the caller) and remove the patch afterwards; ``unpatched`` scores
+    ``base_model`` as transformers runs it. ``finetuned:`` specs load their own model with
+    :func:`hf_sparse_attn.finetune.load_finetuned` and free it afterwards.
     """
     if spec.finetuned_from is None:
         from hf_sparse_attn import patch_model
 
         conf = cfg.method_configs.get(spec.label, {})
-        handle = None if spec.method == BASELINE else patch_model(base_model, method=spec.method, **conf)
+        handle = None if spec.method == UNPATCHED else patch_model(base_model, method=spec.method, **conf)
         try:
             yield base_model, handle
         finally:
@@ -322,9 +328,9 @@ def run_method(
     ``on_row(row)`` is called after every sample (the runner saves partial results with it)."""
     eos = _eos_ids(model, tokenizer)
     def density_now() -> tuple[float | None, float | None]:  # (attended, selected) right after the prefill
-        if handle is None:
+        st = None if handle is None else handle.stats()
+        if st is None or st["density"] is None:  # the stock model, or a method that keeps every weight (dense)
             return 1.0, 1.0
-        st = handle.stats()
         return st["density"], st.get("selected_density", st["density"])
 
     rows = []

@@ -97,6 +97,23 @@ def test_method_variants_score_several_settings_against_one_dense_run(tmp_path):
     assert parse_method_configs(["bfla@km98.keep_mass=0.98"]) == {"bfla@km98": {"keep_mass": 0.98}}
 
 
+def test_unpatched_row_beside_the_exact_dense_baseline(tmp_path):
+    """``unpatched`` scores the stock transformers model beside the exact patched ``dense`` (the baseline): same
+    samples, the same greedy answers on a model whose patched dense path is SDPA, density 1.0, no method config."""
+    res = run_eval(_cfg(tmp_path, methods=["unpatched", "dense"], tasks=["niah_single_1"]))
+    by = {}
+    for r in res["rows"]:
+        by.setdefault(r["method"], []).append(r)
+    assert set(by) == {"dense", "unpatched"}  # dense is the baseline, run first whatever the order given
+    assert [r["method"] for r in res["rows"]][0] == "dense"
+    assert [r["prediction"] for r in by["unpatched"]] == [r["prediction"] for r in by["dense"]]
+    assert all(r["density"] == 1.0 for r in res["rows"])
+    agg = {a["method"]: a for a in res["aggregates"]}
+    assert agg["unpatched"]["delta_vs_dense"] == 0 and agg["unpatched"]["prefill_speedup_vs_dense"] > 0
+    with pytest.raises(ValueError, match="'unpatched': the stock model takes no method config"):
+        validate(_cfg(tmp_path, methods=["dense", "unpatched"], method_configs={"unpatched": {"keep_mass": 0.9}}))
+
+
 def test_method_variant_errors(tmp_path):
     with pytest.raises(ValueError, match="variant 'nope@x': 'nope' is not a registered method"):
         validate(_cfg(tmp_path, methods=["dense", "nope@x"]))
