@@ -43,7 +43,10 @@ def _tanh(x):
 @triton.jit
 def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
             HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
-    """Scaled logits s = (α-1)·softcap(scale·q·kᵀ) of one tile (fp32), -inf where masked; also tanh for backward."""
+    """Scaled logits s = (α-1)·softcap(scale·q·kᵀ) of one tile (fp32), -inf where masked; also tanh for backward.
+
+    The mask (causal, sequence ends, window, left padding) is built only for a tile that needs it: one whose keys
+    are all visible to all its rows (the tiles below the diagonal, most of them) takes the scores as they are."""
     if FP32:
         z = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -53,14 +56,26 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
     if HAS_SOFTCAP:
         t = _tanh(z / softcap)
         z = softcap * t
-    q_abs = offs_m + q_off
-    valid = (offs_m[:, None] < sq) & (offs_n[None, :] < skv) & (offs_n[None, :] <= q_abs[:, None])
+    m_first = tl.min(offs_m, 0)
+    m_last = tl.max(offs_m, 0)
+    n_first = tl.min(offs_n, 0)
+    n_last = tl.max(offs_n, 0)
+    interior = (m_last < sq) & (n_last < skv) & (n_last <= m_first + q_off)
     if window > 0:
-        valid = valid & (offs_n[None, :] > q_abs[:, None] - window)
+        interior = interior & (n_first > m_last + q_off - window)
     if HAS_FV:
-        valid = valid & (offs_n[None, :] >= fv)
-    s = tl.where(valid, z * am1, float("-inf"))
-    return s, t, valid
+        interior = interior & (n_first >= fv)
+    if interior:
+        s = z * am1
+    else:
+        q_abs = offs_m + q_off
+        valid = (offs_m[:, None] < sq) & (offs_n[None, :] < skv) & (offs_n[None, :] <= q_abs[:, None])
+        if window > 0:
+            valid = valid & (offs_n[None, :] > q_abs[:, None] - window)
+        if HAS_FV:
+            valid = valid & (offs_n[None, :] >= fv)
+        s = tl.where(valid, z * am1, float("-inf"))
+    return s, t
 
 
 @triton.jit
@@ -80,8 +95,8 @@ def _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv
                      HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
     """Load the key sub-tile ``offs_n`` and score it (:func:`_scores`) -> (s, tanh term, the loaded K tile)."""
     kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=(offs_n < skv)[:, None], other=0.0)
-    s, t, _valid = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
-                           HAS_SOFTCAP, HAS_FV, FP32)
+    s, t = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
+                   HAS_SOFTCAP, HAS_FV, FP32)
     return s, t, kt
 
 
@@ -441,8 +456,8 @@ def _entmax_bwd_dkdv_kernel(
                             mask=row_ok[:, None], other=0.0)
                 row = (b * hq + h) * sq + offs_m
                 tau = tl.load(TAU + row, mask=row_ok, other=3.0e38)
-                s, t, _v = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
-                                   HAS_SOFTCAP, HAS_FV, FP32)
+                s, t = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
+                               HAS_SOFTCAP, HAS_FV, FP32)
                 d = tl.maximum(s - tau[:, None], 0.0)
                 p, u = _pow_terms(d, em1, MODE)
                 inv_norm = 1.0 / tl.load(NORM + row, mask=row_ok, other=1.0)
