@@ -135,7 +135,8 @@ def _causal_tile_mask(rep: int, rows: int, bs: int, dtype) -> torch.Tensor:
 
 
 def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window):
-    """The no-grad CPU path: every (batch row, KV head, query block) item through :func:`_attend_split`, the items
+    """The no-grad CPU path: every (batch row, KV head, query block) item through :func:`_attend_aligned` (a
+    prefill from a block boundary without window, padding or softcap) or else :func:`_attend_split`, the items
     spread over ``torch.get_num_threads()`` pool threads with single-threaded ops (:mod:`.cpu_threads`), each
     writing its rows of the output; a dense head (every valid tile kept in every batch row) as one exact SDPA call
     on the caller's threads. ``fv (B,)`` left padding or None. Returns ``(B,Hq,Sq,D)``."""
@@ -193,8 +194,9 @@ def sparse_attention_cpu(
     """Exact attention restricted to the plan's kept tiles (any device; reads the lists on the host).
 
     Differentiable w.r.t. q, k, v (plain autograd through gather + SDPA / explicit softmax). Without autograd
-    (inference) on CPU, a faster split path runs (:func:`_attend_split` per batch row, KV head and query block,
-    spread over the threads of :mod:`.cpu_threads`: exact, the same result whatever the thread count). Left padding
+    (inference) on CPU, a faster path runs (:func:`_attend_aligned` or :func:`_attend_split` per batch row, KV head
+    and query block, spread over the threads of :mod:`.cpu_threads`: exact, the same result whatever the thread
+    count). Left padding
     (``plan.first_valid``): keys ``j < first_valid[b]`` are masked. Rows that see no key (padding queries, or
     ``local=-1``) give zeros.
     """

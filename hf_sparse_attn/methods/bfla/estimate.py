@@ -136,7 +136,7 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
     kf = k.float()
     ind = _block_indicator(d, bs, d, q.device)
     out = torch.empty(b, hkv, rep, nq, nk, dtype=torch.float32, device=q.device)
-    masks: dict[tuple, torch.Tensor] = {}
+    masks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def local_mask(rel: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Additive mask (rows, keys): -inf where the key is after the row; and the rows that see no key (the
