@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ...masks import LeftPadding
 from ...tiles import BflaPlan, _cdiv, _token_keep, valid_rows
 from ..dense import dense_attention
-from .cpu_threads import parallel_map
+from .cpu_threads import flash_cpu, parallel_map
 
 MIN_RUN_BLOCKS = 4  # a run of at least this many consecutive kept blocks is attended as a view (no copy)
 
@@ -51,9 +51,7 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
     parts = []
     if full_ids.numel() and not softcap:
         for kk, vv in _full_key_runs(full_ids, kb_h, vb_h, k_h, v_h, bs):
-            o1, l1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q2, kk[None, None], vv[None, None], 0.0, False, scale=scale
-            )
+            o1, l1 = flash_cpu(q2, kk[None, None], vv[None, None], scale)
             parts.append((o1[0, 0].float(), l1[0, 0]))
     else:
         part_ids = ids_i
@@ -61,9 +59,7 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
         # the one partial tile is the diagonal tile aligned with the query block (prefill from position 0 of a
         # block): top-left causal inside it, so flash attention's own causal mask is exact there
         kk, vv = k_h[q_first : q_first + rows], v_h[q_first : q_first + rows]
-        o2, l2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qq[None], kk.expand(1, rep, rows, d), vv.expand(1, rep, rows, d), 0.0, True, scale=scale
-        )
+        o2, l2 = flash_cpu(qq[None], kk.expand(1, rep, rows, d), vv.expand(1, rep, rows, d), scale, causal=True)
         parts.append((o2[0].reshape(rep * rows, d).float(), l2[0].reshape(rep * rows)))
     elif part_ids.numel():
         kk = kb_h.index_select(0, part_ids).reshape(-1, d)
@@ -85,13 +81,6 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
         o = sum(op * torch.exp(lp - lse)[:, None].nan_to_num_(0.0) for op, lp in parts)
     o = torch.where(torch.isfinite(lse)[:, None], o, torch.zeros_like(o))
     return o.reshape(rep, rows, d).to(qq.dtype)
-
-
-def _sdpa_lse(q, k, v, scale, mask=None):
-    """CPU flash attention of ``(L, D)`` keys/values for ``(1, 1, R, D)`` queries: ``(out (1,1,R,D), lse (1,1,R))``."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k[None, None], v[None, None], 0.0, False, attn_mask=mask, scale=scale
-    )
 
 
 def _kept_keys(ids: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor, kb_h, vb_h, bs: int):
@@ -117,9 +106,10 @@ def _attend_aligned(qq, kb_h, vb_h, k_h, v_h, ids_i, diag: int, scale: float, di
     before = ids_i[:-1] if has_diag else ids_i
     parts = []
     if before.numel():
-        parts.append(_sdpa_lse(q2, *_kept_keys(before, k_h, v_h, kb_h, vb_h, bs), scale))
+        kk, vv = _kept_keys(before, k_h, v_h, kb_h, vb_h, bs)
+        parts.append(flash_cpu(q2, kk[None, None], vv[None, None], scale))
     if has_diag:
-        parts.append(_sdpa_lse(q2, kb_h[diag], vb_h[diag], scale, diag_mask))
+        parts.append(flash_cpu(q2, kb_h[diag][None, None], vb_h[diag][None, None], scale, diag_mask))
     if len(parts) == 1:
         return parts[0][0].view(rep * rows, d)
     (o1, l1), (o2, l2) = parts

@@ -1,4 +1,5 @@
-"""bfla's plan on the CPU worker pool (:mod:`hf_sparse_attn.cpu_threads`): one KV group per pool item."""
+"""bfla's CPU helpers: the plan on the worker pool (:mod:`hf_sparse_attn.cpu_threads`; one KV group per pool item)
+and the CPU flash call with its log-sum-exp that the estimate and the sparse pass share."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import torch
 
 from ...cpu_threads import parallel_map, single_threaded_ops
 
-__all__ = ["build_plan_parallel", "parallel_map", "single_threaded_ops"]
+__all__ = ["build_plan_parallel", "flash_cpu", "parallel_map", "single_threaded_ops"]
+
+
+def flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention ``(B,H,R,D)`` x ``(B,H,L,D)`` -> ``(out (B,H,R,D), lse (B,H,R))``; ``mask``:
+    additive, broadcast to ``(R, L)``, or None. A row that sees no key gets out 0 and lse 0 (not -inf): callers
+    that merge parts by their log-sum-exps must mask such rows themselves."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )
 
 
 def build_plan_parallel(

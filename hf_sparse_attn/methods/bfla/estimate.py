@@ -52,12 +52,16 @@ def _sampled_rows(sq: int, bs: int, r: int, device) -> torch.Tensor:
     return start[:, None] + off
 
 
-def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window, first_valid=None):
+def _geometry(q: torch.Tensor, k: torch.Tensor, bs: int) -> tuple[int, ...]:
+    """``(B, Hq, Sq, D, Hkv, Skv, rep, NQ, NK, offset)`` of ``q (B,Hq,Sq,D)`` and ``k (B,Hkv,Skv,D)``, blocks of
+    ``bs``."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    rep = hq // hkv
-    nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
-    off = skv - sq
+    return b, hq, sq, d, hkv, skv, hq // hkv, _cdiv(sq, bs), _cdiv(skv, bs), skv - sq
+
+
+def _estimate_rows(q, k, scale, softcap, bs, r, sliding_window, first_valid=None):
+    b, hq, sq, d, hkv, skv, rep, nq, nk, off = _geometry(q, k, bs)
     rows = _sampled_rows(sq, bs, r, q.device)  # (NQ, r)
     out = []
     step = _row_chunk(r, hq, skv, most=max(4, nq // 16))  # small chunks: causal trimming skips ~half the keys
@@ -111,11 +115,6 @@ def _key_spans(p_end: int, last: int, bs: int, width: int) -> list[tuple[int, in
     return spans
 
 
-def _sdpa_cpu(q, k, v, scale, mask=None):
-    """CPU flash attention with its log-sum-exp: ``(out, lse)``; ``mask``: additive fp32, or None."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-
-
 def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
     """The CPU form of :func:`_estimate_rows` (no softcap, window or padding; same values within fp32 rounding).
 
@@ -125,13 +124,9 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
     chunk, which every sampled row sees whole, in segments of ``D`` key blocks (``V`` must be ``D`` wide); the
     chunk's own keys with an additive causal mask (the same for every full chunk); the parts merged by their
     log-sum-exps. Chunks run on ``workers`` pool threads (:mod:`hf_sparse_attn.cpu_threads`)."""
-    from ...cpu_threads import parallel_map
+    from .cpu_threads import flash_cpu, parallel_map
 
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    rep = hq // hkv
-    nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
-    off = skv - sq
+    b, hq, sq, d, hkv, skv, rep, nq, nk, off = _geometry(q, k, bs)
     rows = _sampled_rows(sq, bs, r, q.device)  # (NQ, r)
     kf = k.float()
     ind = _block_indicator(d, bs, d, q.device)
@@ -161,7 +156,7 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
         for s0, s1 in _key_spans(p_end, last, bs, d):
             mask, blind = local_mask(rr + off - s0, s1 - s0) if s0 >= p_end else (None, None)
             e = ind[s0 % bs : s0 % bs + s1 - s0]  # key s0 + t -> column (s0 % bs + t) // bs
-            o, lse = _sdpa_cpu(qs, kh[:, :, s0:s1], e.expand(b, 1, s1 - s0, d), scale, mask)
+            o, lse = flash_cpu(qs, kh[:, :, s0:s1], e.expand(b, 1, s1 - s0, d), scale, mask)
             if blind is not None and s0 > p_end:  # only spans after the chunk's first key can be blind to a row
                 lse = lse.masked_fill(blind, float("-inf"))
             parts.append((s0 // bs, o[..., : _cdiv(s1, bs) - s0 // bs], lse))
