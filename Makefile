@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml requirements-models.txt
 setup: $(STAMP)
 
 ## The test suite (CPU; Triton kernels run under TRITON_INTERPRET=1). Slow real-model checks: `make test-slow`.
+## Two pytest-xdist workers, one test file each at a time: the interpreter tests are single-threaded Python, so one
+## worker alone leaves a core idle (tests/conftest.py gives each worker its share of torch threads).
+TEST_WORKERS ?= 2
 test: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 ## The same suite against the oldest supported releases, transformers 5.17 and Triton 3.6 (what the GPU machines
 ## have), in .venv-oldest. Triton 3.6's interpreter cannot run the kernels: those tests skip there (and say why).

@@ -8,6 +8,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# `make test` runs the suite in pytest-xdist workers (one test file per worker at a time): give each worker its share
+# of the cores, so that two workers running torch on a 2-core machine do not oversubscribe it (tests that need more
+# threads set them themselves).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 @pytest.fixture(autouse=True)
 def _seed():

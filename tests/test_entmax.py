@@ -172,6 +172,22 @@ def test_fp32_rows_sum_to_one_before_renormalisation(alpha):
         assert (norm - 1).abs().max() <= 1e-4 and diag[1] <= 1e-4, (std, float((norm - 1).abs().max()))
 
 
+@pytest.mark.parametrize("alpha", [1.01, 1.05, 1.25])
+def test_tau_newton_on_the_norm_form_converges_in_few_updates(alpha):
+    # Newton on h = ‖[x - τ]_+‖_e - 1 (nearly linear) instead of f = Σ [x - τ]_+^e - 1 (a power-e curve): near α = 1
+    # the old form took 6-8 updates on these rows; the norm form 2-4, to the same fp32 tolerance
+    q, k, v = _qkv(1, 4, 2, 300, 300, 32)
+    a = torch.full((4,), alpha)
+    nv = E.key_counts(None, 1, 300, 300, causal=True, sliding_window=None, device="cpu")
+    out, _tau, norm, _supp, _tiles, diag, _support = torch.ops.hf_sparse_attn.entmax_fwd(
+        q, k, v, a, nv, None, None, 32**-0.5, 0.0, 0, True, 0, False
+    )
+    assert diag[0] <= 4, float(diag[0])
+    assert (norm - 1).abs().max() <= 1e-4 and diag[1] <= 1e-4
+    ref = E.entmax_attention_reference(q.double(), k.double(), v.double(), None, alpha=alpha)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_compute_in_fp32(dtype):
     q, k, v = _qkv(1, 4, 2, 9, 9, 16, dtype=dtype, std=2.0)

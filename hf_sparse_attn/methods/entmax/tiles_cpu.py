@@ -169,11 +169,24 @@ def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
                               value=0.5)
         elif mode == 2:  # f = Σd - 1, -f' = count
             tau = tau.addcdiv(d.sum(-1, keepdim=True) - 1, (d > 0).sum(-1, keepdim=True).to(ct).clamp_(min=1))
-        else:  # f = Σ d^e - 1, -f' = e Σ d^(e-1)
+        else:  # Newton on the e-norm form (see _norm_newton_step)
             de1 = torch.where(d > 0, d.pow(em1), 0)
-            tau = tau.addcdiv(torch.linalg.vecdot(de1, d).unsqueeze(-1) - 1,
-                              (de1.sum(-1, keepdim=True) * (em1 + 1)).clamp_(min=tiny))
+            tau = tau + _norm_newton_step(torch.linalg.vecdot(de1, d).unsqueeze(-1),
+                                          (de1.sum(-1, keepdim=True) * (em1 + 1)).clamp_(min=tiny), em1)
     return tau.squeeze(-1).clamp_(min=-1.0)
+
+
+def _norm_newton_step(total: torch.Tensor, slope: torch.Tensor, em1) -> torch.Tensor:
+    """The τ increment of one Newton step on ``h(τ) = (Σ d^e)^(1/e) - 1``, d = [x - τ]_+, e = em1 + 1 >= 1 (α <= 2),
+    from ``total`` = Σ d^e and ``slope`` = e·Σ d^(e-1) (= -f' of ``f = Σ d^e - 1``): ``e·(S - S^(1-1/e)) / slope``.
+
+    ``h`` has the root of ``f`` and is, like ``f``, convex and decreasing (the e-norm of a convex non-negative
+    vector function of τ), so Newton from the left still increases monotonically to the root; but ``h`` is nearly
+    linear (exactly so while the support is one entry), where ``f`` is a power-``e`` curve on which Newton from the
+    left crawls: near α = 1 (e = 1/(α-1) ≈ 100) ``f``'s step is ``(S - 1)/slope`` for S far above 1.
+    For e = 1 (α = 2) both steps are equal. Right of the root (S < 1) the step is negative; callers keep τ."""
+    e = em1 + 1
+    return (total - total.clamp(min=0).pow(1 - 1 / e)).mul_(e).div_(slope)
 
 
 def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -252,7 +265,7 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
         if err <= _SUM_TOL[ct] or it == _MAX_UPDATES:
             break
         fp = row_sum(de1) * (em1 + 1)
-        new = torch.minimum(tau + f / fp.clamp(min=torch.finfo(ct).tiny), hi)
+        new = torch.minimum(tau + _norm_newton_step(f + 1, fp.clamp(min=torch.finfo(ct).tiny), em1), hi)
         new = torch.maximum(new, tau)
         moved = (new - tau).abs() > _STEP_TOL[ct] * tau.abs().clamp(min=1)
         tau = new
