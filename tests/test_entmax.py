@@ -18,7 +18,7 @@ from hf_sparse_attn.functional import sparse_attention
 from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import entmax as E
 from hf_sparse_attn.methods.dense import dense_attention
-from hf_sparse_attn.methods.entmax import tiles_cpu
+from hf_sparse_attn.methods.entmax import dense_cpu, tiles_cpu
 
 F64 = torch.float64
 
@@ -104,16 +104,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["lists", "dense"])
-@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
-@pytest.mark.parametrize("case", CASES)
-def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, dense):
-    """``dense``: every forward chunk of general α and every backward tile chunk takes the dense-tile path (what
-    near-softmax rows take), else the entry lists."""
-    b, hq, hkv, sq, skv, window, softcap = case
-    if dense:
+def _force_path(monkeypatch, path: str) -> None:
+    """``lists``: the entry lists (forward) and the per-pair backward; ``dense``: every forward chunk of general α
+    and every backward tile chunk on dense tiles; ``rows``: the backward on dense row chunks (:mod:`dense_cpu`)."""
+    monkeypatch.setattr(dense_cpu, "DENSE_ROWS", -1.0 if path == "rows" else 2.0)
+    if path == "dense":
         monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)
         monkeypatch.setattr(tiles_cpu, "_DENSE_ENTRIES", -1.0)
+
+
+PATHS = ["lists", "dense", "rows"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
+@pytest.mark.parametrize("case", CASES)
+def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path):
+    """Forward and gradients equal the reference on every path (:func:`_force_path`)."""
+    b, hq, hkv, sq, skv, window, softcap = case
+    _force_path(monkeypatch, path)
     monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)  # one tile per chunk
     monkeypatch.setattr(tiles_cpu, "TILE", 4)  # many tiles
     monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
@@ -131,8 +140,11 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, dense)
         assert (a - r).abs().max() < 1e-9
 
 
-def test_threaded_backward_is_bit_identical_run_to_run(monkeypatch):
+@pytest.mark.parametrize("path", ["lists", "rows"])
+def test_threaded_backward_is_bit_identical_run_to_run(monkeypatch, path):
     """Work split over worker threads never changes a sum's order: two runs give the same bits (fp32)."""
+    _force_path(monkeypatch, path)
+    monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 512)  # several row chunks for the dense backward's workers
     monkeypatch.setattr(tiles_cpu, "TILE", 4)
     monkeypatch.setattr(tiles_cpu, "_ENTRY_SLICE", 7)  # many backward tasks for the workers
     prev = torch.get_num_threads()
@@ -198,6 +210,33 @@ def test_half_inputs_compute_in_fp32(dtype):
     assert (out.float() - ref).abs().max() < tol
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_under_left_padding_and_bool_masks_equal_the_reference(monkeypatch, path):
+    _force_path(monkeypatch, path)
+    monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(tiles_cpu, "TILE", 4)
+    q, k, v = _qkv(2, 4, 2, 6, 10, dtype=F64, grad=True)
+    alpha = torch.tensor([1.2, 1.5, 1.7, 2.0], dtype=F64, requires_grad=True)
+    mask = torch.rand(2, 1, 6, 10, generator=torch.Generator().manual_seed(1)) > 0.5
+    mask[1, 0, 2] = False  # a row that sees nothing
+    for m, kw in ((LeftPadding(torch.tensor([0, 7]), 6, 10), dict(sliding_window=3)), (mask, dict(softcap=2.0))):
+        out = E.entmax_attention(q, k, v, m, alpha=alpha, **kw)
+        ref = E.entmax_attention_reference(q, k, v, m, alpha=alpha, **kw)
+        g = torch.randn_like(out)
+        for a, r in zip(torch.autograd.grad(out, (q, k, v, alpha), g), torch.autograd.grad(ref, (q, k, v, alpha), g),
+                        strict=True):
+            assert (a - r).abs().max() < 1e-9
+
+
+def test_dense_backward_is_chosen_near_alpha_one_only():
+    q, k, v = _qkv(1, 4, 2, 200, 200, 32)
+    nv = E.key_counts(None, 1, 200, 200, causal=True, sliding_window=None, device="cpu")
+    for alpha, dense in ((1.01, True), (1.5, False)):
+        res = torch.ops.hf_sparse_attn.entmax_fwd(q, k, v, torch.full((4,), alpha), nv, None, None, 32**-0.5, 0.0, 0,
+                                                  True, 0, False, True)
+        assert dense_cpu.runs_dense(res[6], res[4]) == dense, alpha
+
+
 def test_masks_left_padding_and_bool_rows_without_keys():
     q, k, v = _qkv(2, 4, 2, 6, 10, dtype=F64, grad=True)
     lp = LeftPadding(torch.tensor([0, 7]), 6, 10)  # row 1: queries 0.. see keys 7..; none is empty here
@@ -222,11 +261,9 @@ def test_left_padding_rows_without_keys_are_zero():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["lists", "dense"])
-def test_gradcheck_blockwise_softcap_window_and_alpha_gradient(monkeypatch, dense):
-    if dense:
-        monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)
-        monkeypatch.setattr(tiles_cpu, "_DENSE_ENTRIES", -1.0)
+@pytest.mark.parametrize("path", PATHS)
+def test_gradcheck_blockwise_softcap_window_and_alpha_gradient(monkeypatch, path):
+    _force_path(monkeypatch, path)
     q, k, v = _qkv(1, 4, 2, 5, 8, 4, dtype=F64, grad=True)
     alpha = torch.tensor([1.3, 1.5, 1.8, 1.95], dtype=F64, requires_grad=True)
     f = lambda q, k, v, a: E.entmax_attention(q, k, v, None, alpha=a, scale=0.9, softcap=2.0, sliding_window=4)

@@ -5,8 +5,21 @@ they apply (causal + window / left padding, head_dim 64/128/256), else the PyTor
 import torch
 
 from ..base import log_once
-from . import tiles_cpu
+from . import dense_cpu, tiles_cpu
 from .tiles_cpu import blockwise_backward, blockwise_forward, tile_grid
+
+
+def _backward_cpu(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal, mode,
+                  need_dalpha, support):
+    """The PyTorch backward: on dense row chunks where most rows keep more keys than the lists hold (α near 1,
+    :mod:`.dense_cpu`), else over the rows' support lists and the non-zero tiles (:mod:`.tiles_cpu`)."""
+    if dense_cpu.runs_dense(support, tiles):
+        return dense_cpu.dense_backward(dout, q, k, v, alpha, tau, norm, first_valid, mask, scale, softcap, window,
+                                        causal, mode, need_dalpha)
+    return blockwise_backward(
+        dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal, mode, need_dalpha,
+        support,
+    )
 
 
 @torch.library.custom_op("hf_sparse_attn::entmax_fwd", mutates_args=())
@@ -84,11 +97,10 @@ def entmax_bwd(
     support: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`entmax_fwd`: (dq, dk, dv, dalpha (Hq,)), recomputing p from the stored τ over the rows'
-    support keys ``support`` where the forward kept them, else over the non-zero tiles of ``tiles`` only."""
-    return blockwise_backward(
-        dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal, mode, need_dalpha,
-        support,
-    )
+    support keys ``support`` where the forward kept them, else over the non-zero tiles of ``tiles`` only — or, where
+    most rows keep more keys than their lists hold, over dense row chunks."""
+    return _backward_cpu(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal,
+                         mode, need_dalpha, support)
 
 
 @entmax_bwd.register_fake
@@ -153,6 +165,5 @@ def _entmax_bwd_cuda(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, 
 
         return entmax_triton.backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, scale, softcap, window,
                                       mode, nd)
-    return blockwise_backward(
-        dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal, mode, nd, support
-    )
+    return _backward_cpu(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal,
+                         mode, nd, support)
