@@ -170,10 +170,20 @@ def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
         elif mode == 2:  # f = Σd - 1, -f' = count
             tau = tau.addcdiv(d.sum(-1, keepdim=True) - 1, (d > 0).sum(-1, keepdim=True).to(ct).clamp_(min=1))
         else:  # Newton on the e-norm form (see _norm_newton_step)
-            de1 = torch.where(d > 0, d.pow(em1), 0)
+            de1 = _pow_support(d, em1)
             tau = tau + _norm_newton_step(torch.linalg.vecdot(de1, d).unsqueeze(-1),
                                           (de1.sum(-1, keepdim=True) * (em1 + 1)).clamp_(min=tiny), em1)
     return tau.squeeze(-1).clamp_(min=-1.0)
+
+
+def _pow_support(d: torch.Tensor, e) -> torch.Tensor:
+    """``d^e`` over the support and exactly 0 where ``d`` = 0 (also for e = 0), for ``d >= 0`` and an exponent
+    ``e >= 0`` (float, or a tensor broadcastable to ``d``), as ``exp2(e·log2 d)`` with the zeros sent to -inf in the
+    log domain. On this CPU ``pow`` is scalar per element (with or without a tensor exponent) and ``log2(0)`` takes a
+    slow path, hence the clamp: ≈ 1.6× faster than ``where(d > 0, d.pow(e), 0)``; the error is unbiased, at most
+    5e-6 relative in fp32 at e ≈ 100 (α = 1.01), far less at the usual α."""
+    logd = torch.log2(d.clamp(min=torch.finfo(d.dtype).tiny))
+    return logd.mul_(e).masked_fill_(d == 0, float("-inf")).exp2_()
 
 
 def _norm_newton_step(total: torch.Tensor, slope: torch.Tensor, em1) -> torch.Tensor:
@@ -255,10 +265,7 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
     it = 0
     for it in range(_MAX_UPDATES + 1):
         d = (x - per_entry(tau)).clamp_(min=0)
-        if isinstance(em1_e, float) and em1_e > 0:
-            de1 = d.pow(em1_e)
-        else:
-            de1 = torch.where(d > 0, d.pow(em1_e), 0)
+        de1 = _pow_support(d, em1_e)
         f = row_sum(de1 * d) - 1
         f = torch.where(live, f, 0)
         err = float(f.abs().max()) if f.numel() else 0.0
@@ -282,7 +289,7 @@ def _probs_of(d: torch.Tensor, mode: int, e):
         return d * d
     if mode == 2:
         return d
-    return d.pow(e)
+    return _pow_support(d, e)
 
 
 def _slope_and_probs(d: torch.Tensor, mode: int, am1, ct):
@@ -292,7 +299,7 @@ def _slope_and_probs(d: torch.Tensor, mode: int, am1, ct):
         return d, d * d
     if mode == 2:
         return (d > 0).to(ct), d
-    u = torch.where(d > 0, d.pow(1.0 / am1 - 1.0), 0)
+    u = _pow_support(d, 1.0 / am1 - 1.0)
     return u, u * d
 
 
@@ -315,15 +322,15 @@ def _chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask):
     return out[::-1] if causal else out
 
 
-def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int) -> torch.Tensor:
+def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int, over: torch.Tensor | None = None) -> torch.Tensor:
     """(n_rows, SUPPORT_KEYS) int32 keys of each row's entries (``row`` non-decreasing): -1 padding, -2 in slot 0
-    for a row with more entries than fit."""
+    for a row with more entries than fit (or marked in ``over`` (n_rows,) bool, whose entries need not be listed)."""
     counts = torch.bincount(row, minlength=n_rows)
     pos = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
     out = torch.full((n_rows, SUPPORT_KEYS), -1, dtype=torch.int32, device=row.device)
     fits = pos < SUPPORT_KEYS
     out[row[fits], pos[fits]] = key[fits].to(torch.int32)
-    over = counts > SUPPORT_KEYS
+    over = counts > SUPPORT_KEYS if over is None else over | (counts > SUPPORT_KEYS)
     out[over] = -1
     out[over, 0] = -2
     return out
@@ -406,21 +413,26 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
             n_r = nv[:, :, :, rows].reshape(n_rows).clamp(min=1)
             hi = -torch.pow(n_r, -am1_r)
             live_r = live if live is not None else torch.ones(n_rows, dtype=torch.bool, device=dev)
+        over = None  # rows whose support overflows a list without being listed
         if not mode and int(cand.sum()) > _DENSE_PAIRS * cand.numel():
             # 3'.-5'. near-softmax rows (α close to 1, flat scores): τ, p and the output on the dense scores
             x = s.view(n_rows, span).sub_(top.unsqueeze(-1))  # relative to the row max; -inf stays masked
             rel, updates, _ = _tau_newton(x, None, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
             e = 1.0 / am1_r
-            p = x.sub_(rel.unsqueeze(-1)).clamp_(min=0).pow_(e.unsqueeze(-1) if isinstance(e, torch.Tensor) else e)
+            d = x.sub_(rel.unsqueeze(-1)).clamp_(min=0)
+            p = _pow_support(d, e.unsqueeze(-1) if isinstance(e, torch.Tensor) else e)
             nz = p > 0
             total = p.sum(-1)
             o = torch.matmul(p.view(b, hkv, rep * cc, span), vpad[:, :, kb:ke]).view(n_rows, dh)
             cnt = nz.sum(-1).float() if want_stats else None
             nz_tiles = nz.view(-1, bm, nt, TILE).any(-1).any(1).view(-1)
-            if keep_support:
-                ent = _flat_nonzero(nz)
+            if keep_support:  # list the rows whose support fits a list (near α = 1 hardly any)
+                over = nz.sum(-1) > SUPPORT_KEYS
+                fit = (~over).nonzero().squeeze(1)
+                ent = _flat_nonzero(nz.index_select(0, fit))
                 row = torch.div(ent, span, rounding_mode="floor")
                 col = ent - row * span
+                row = fit[row]
         else:
             rt = _flat_nonzero(cand)  # (row, key tile) pairs, flat
             seg = s.view(n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
@@ -464,7 +476,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
             code.view(-1).index_fill_(0, nz_tiles, TILE_NONZERO)
         tiles[:, a // TILE : a // TILE + nq, t0 : t0 + nt] = code.view(b * hkv * rep, nq, nt)
         if keep_support:
-            support[:, :, :, rows] = _support_list(row, kb + col, n_rows).view(b, hkv, rep, cc, SUPPORT_KEYS)
+            support[:, :, :, rows] = _support_list(row, kb + col, n_rows, over).view(b, hkv, rep, cc, SUPPORT_KEYS)
         inv = torch.where(total > 0, 1.0 / total, 0)
         out[:, :, :, rows] = (o * inv.unsqueeze(-1)).view(b, hkv, rep, cc, dh)
         tau_r = top + rel
