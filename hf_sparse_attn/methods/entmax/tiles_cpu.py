@@ -14,7 +14,8 @@ Forward, per chunk of query tiles (all batch items and heads at once; GQA withou
   3. the (row, key tile) pairs whose maximum exceeds ``τ₀``, then their entries above ``τ₀`` (a superset of the
      support) compacted into a flat list;
   4. τ on that list: exact sorted closed forms for α = 1.5 / 2 (any subset of a row that holds its support gives
-     the row's τ), Newton from ``τ₀`` otherwise (monotone from the left, every row until ``|Σp - 1|`` converges);
+     the row's τ), Newton from ``τ₀`` otherwise, on the e-norm form ``‖[x - τ]_+‖_e - 1`` (monotone from the left,
+     2-3 updates even near α = 1; every row until ``|Σp - 1|`` converges); powers as ``exp2(e·log2 d)``;
   5. the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key, ``TILE_ZERO`` visible
      but all weights zero, ``TILE_NONZERO`` some weight > 0) and the output ``Σ p·v`` over the support entries
      (gathered V rows), normalised by the row sums.
@@ -23,7 +24,8 @@ support keys (int32, ``SUPPORT_KEYS`` per row), and the backward recomputes only
 (``q_i·k_j``), then ``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered
 rows and ``index_add_``: O(entries · D). Rows with a larger support (and calls without the lists) go over the
 non-zero pairs of the stored tile mask: one batched score product per chunk of pairs, the entries ``s > τ``
-compacted, then the same per-entry math.
+compacted, then the same per-entry math. Where most rows overflowed their lists (α near 1) the custom op takes the
+dense-chunk backward of :mod:`.dense_cpu` instead.
 
 Threads: torch intra-op threads pay a synchronisation per op, and this path is many mid-sized ops, so chunks are
 spread over ``torch.get_num_threads()`` worker threads that run torch single-threaded (the ops release the GIL).
