@@ -1,7 +1,9 @@
 """The entmax op's forward (with grad, as training runs it: the support lists are kept) and backward, each against
 SDPA's, on the SmolLM2 Q/K/V capture of ``bench_entmax_cpu.py`` (layers 3, 15, 27, summed; torch's default threads).
 
-    .venv/bin/python benchmarks/entmax_fwd_bwd_split.py [--alpha 1.01] [--length 1024] [--reps 5]
+    .venv/bin/python benchmarks/entmax_fwd_bwd_split.py [--alpha 1.01] [--length 1024] [--reps 5] [--dense-rows X]
+
+``--dense-rows`` overrides ``dense_cpu.DENSE_ROWS`` (the dense-chunk backward's switch): -1 always dense, 2 never.
 
 Run it first with ``bench_entmax_cpu.py --lengths N`` (that writes the capture). To compare two trees, run it from
 each with ``PYTHONPATH`` set to the tree, alternating (A B A B): timings on a shared VM drift between processes.
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from hf_sparse_attn.methods import entmax as E
+from hf_sparse_attn.methods.entmax import dense_cpu
 
 
 def _split(fn, q, k, v) -> tuple[float, float]:
@@ -35,7 +38,10 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.01)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dense-rows", type=float, default=None, help="override dense_cpu.DENSE_ROWS")
     args = ap.parse_args()
+    if args.dense_rows is not None:
+        dense_cpu.DENSE_ROWS = args.dense_rows
     path = Path.home() / ".cache" / "hf_sparse_attn" / f"entmax_qkv_smollm2_{args.length}_essays.safetensors"
     if not path.exists():
         raise SystemExit(f"{path} missing: run benchmarks/bench_entmax_cpu.py --lengths {args.length} first")
@@ -56,7 +62,8 @@ def main() -> None:
             total[name][0] += statistics.median(x[0] for x in r[1:])
             total[name][1] += statistics.median(x[1] for x in r[1:])
     (ef, eb), (sf, sb) = total["entmax"], total["sdpa"]
-    print(f"alpha {args.alpha} n {args.length} threads {torch.get_num_threads()}: entmax fwd {ef * 1e3:.0f} ms "
+    print(f"alpha {args.alpha} n {args.length} threads {torch.get_num_threads()} dense_rows {dense_cpu.DENSE_ROWS}: "
+          f"entmax fwd {ef * 1e3:.0f} ms "
           f"({ef / sf:.1f}x sdpa), bwd {eb * 1e3:.0f} ms ({eb / sb:.1f}x sdpa), fwd+bwd {(ef + eb) / (sf + sb):.1f}x")
 
 

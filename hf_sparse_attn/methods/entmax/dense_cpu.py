@@ -20,6 +20,7 @@ import torch
 from .tiles_cpu import (
     TILE_HIDDEN,
     TILE_NONZERO,
+    _am1_heads,
     _chunk_bounds,
     _key_span,
     _mask_scores_,
@@ -47,7 +48,7 @@ def dense_backward(dout, q, k, v, alpha, tau, norm, first_valid, bool_mask, scal
     kc, vc = k.to(ct), v.to(ct)
     tau_g = tau.to(ct).reshape(b, hkv, rep, sq, 1)
     norm_g = norm.to(ct).reshape(b, hkv, rep, sq, 1)
-    am1 = (alpha.to(ct) - 1).reshape(1, hkv, rep, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0)
+    am1 = _am1_heads(alpha, ct, hkv, rep, mode)
     dq = torch.zeros_like(qg)
 
     def chunk(task, acc):

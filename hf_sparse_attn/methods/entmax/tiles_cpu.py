@@ -174,7 +174,7 @@ def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
         else:  # Newton on the e-norm form (see _norm_newton_step)
             de1 = _pow_support(d, em1)
             tau = tau + _norm_newton_step(torch.linalg.vecdot(de1, d).unsqueeze(-1),
-                                          (de1.sum(-1, keepdim=True) * (em1 + 1)).clamp_(min=tiny), em1)
+                                          de1.sum(-1, keepdim=True).clamp_(min=tiny), em1)
     return tau.squeeze(-1).clamp_(min=-1.0)
 
 
@@ -190,15 +190,14 @@ def _pow_support(d: torch.Tensor, e) -> torch.Tensor:
 
 def _norm_newton_step(total: torch.Tensor, slope: torch.Tensor, em1) -> torch.Tensor:
     """The τ increment of one Newton step on ``h(τ) = (Σ d^e)^(1/e) - 1``, d = [x - τ]_+, e = em1 + 1 >= 1 (α <= 2),
-    from ``total`` = Σ d^e and ``slope`` = e·Σ d^(e-1) (= -f' of ``f = Σ d^e - 1``): ``e·(S - S^(1-1/e)) / slope``.
+    from ``total`` = S = Σ d^e and ``slope`` = Σ d^(e-1): ``(S - S^(1-1/e)) / slope``.
 
-    ``h`` has the root of ``f`` and is, like ``f``, convex and decreasing (the e-norm of a convex non-negative
-    vector function of τ), so Newton from the left still increases monotonically to the root; but ``h`` is nearly
-    linear (exactly so while the support is one entry), where ``f`` is a power-``e`` curve on which Newton from the
-    left crawls: near α = 1 (e = 1/(α-1) ≈ 100) ``f``'s step is ``(S - 1)/slope`` for S far above 1.
+    ``h`` has the root of ``f = Σ d^e - 1`` and is, like ``f``, convex and decreasing (the e-norm of a convex
+    non-negative vector function of τ), so Newton from the left still increases monotonically to the root; but ``h``
+    is nearly linear (exactly so while the support is one entry), where ``f`` is a power-``e`` curve on which Newton
+    from the left crawls: near α = 1 (e = 1/(α-1) ≈ 100) ``f``'s step is ``(S - 1)/(e·slope)`` for S far above 1.
     For e = 1 (α = 2) both steps are equal. Right of the root (S < 1) the step is negative; callers keep τ."""
-    e = em1 + 1
-    return (total - total.clamp(min=0).pow(1 - 1 / e)).mul_(e).div_(slope)
+    return (total - total.clamp(min=0).pow(em1 / (em1 + 1))).div_(slope)
 
 
 def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -273,8 +272,7 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
         err = float(f.abs().max()) if f.numel() else 0.0
         if err <= _SUM_TOL[ct] or it == _MAX_UPDATES:
             break
-        fp = row_sum(de1) * (em1 + 1)
-        new = torch.minimum(tau + _norm_newton_step(f + 1, fp.clamp(min=torch.finfo(ct).tiny), em1), hi)
+        new = torch.minimum(tau + _norm_newton_step(f + 1, row_sum(de1).clamp(min=torch.finfo(ct).tiny), em1), hi)
         new = torch.maximum(new, tau)
         moved = (new - tau).abs() > _STEP_TOL[ct] * tau.abs().clamp(min=1)
         tau = new
@@ -426,10 +424,11 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
             nz = p > 0
             total = p.sum(-1)
             o = torch.matmul(p.view(b, hkv, rep * cc, span), vpad[:, :, kb:ke]).view(n_rows, dh)
-            cnt = nz.sum(-1).float() if want_stats else None
+            sizes = nz.sum(-1) if want_stats or keep_support else None
+            cnt = sizes.float() if want_stats else None
             nz_tiles = nz.view(-1, bm, nt, TILE).any(-1).any(1).view(-1)
             if keep_support:  # list the rows whose support fits a list (near α = 1 hardly any)
-                over = nz.sum(-1) > SUPPORT_KEYS
+                over = sizes > SUPPORT_KEYS
                 fit = (~over).nonzero().squeeze(1)
                 ent = _flat_nonzero(nz.index_select(0, fit))
                 row = torch.div(ent, span, rounding_mode="floor")
