@@ -2,7 +2,8 @@
 # Entmax part of the one-shot GPU check (DESIGN §9): Triton kernel tests on CUDA, then the benchmark grid
 # (bf16, causal, head_dim 128, GQA 32/8, 8k-32k; forward and forward+backward of entmax α=1.5 vs SDPA flash, and
 # AdaSplash when importable), first on Q/K captured from SmolLM2 (gpu_inputs/, tile sparsity beside every timing), then
-# on random inputs (the worst case: no tile can be skipped). Writes $OUT/entmax_gpu.json (+ the pytest log). < 4 min.
+# on random inputs (the worst case: no tile can be skipped); our forward also with PACK_GQA (K/V tiles loaded once
+# per KV group). Writes $OUT/entmax_gpu.json (+ the pytest log). < 4 min.
 # Self-checking: exits non-zero when a CUDA test fails or the kernel disagrees with the PyTorch path.
 #   OUT=/tmp/out bash benchmarks/gpu_check_entmax.sh
 set -uo pipefail
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hf_sparse_attn.kernels import entmax_triton as KT
 from hf_sparse_attn.methods import entmax as E
 
 out_dir = sys.argv[1]
@@ -92,6 +94,14 @@ try:
         ref = E._blockwise_forward(q.detach(), k.detach(), v.detach(), a, nv, None, None, 128 ** -0.5, 30.0, 0,
                                    True, mode, True)
         err = float((tri[0] - ref[0]).abs().max())
+        try:  # the KV-group-packed forward (PACK_GQA) on the same inputs
+            KT.PACK_GQA = True
+            packed_out = E.entmax_fwd(q, k, v, a, nv, None, None, 128 ** -0.5, 30.0, 0, True, mode, True)[0]
+            res["checks"][f"alpha{alpha}_packed_err"] = float((packed_out - ref[0]).abs().max())
+        except Exception:  # noqa: BLE001
+            res["checks"][f"alpha{alpha}_packed_err"] = traceback.format_exc()[-1500:]
+        finally:
+            KT.PACK_GQA = False
         density = float(tri[3].sum() / (32 * nv.sum()))
         res["checks"][f"alpha{alpha}"] = {"max_abs_err_vs_torch": err, "density": density}
         if not err < 1e-3:
@@ -114,6 +124,26 @@ def tile_sparsity(q, k, v, alpha=1.5):
     return E.tile_fractions(st["tiles"])["skipped"], st["diag"].tolist()
 
 
+def packed(fn):
+    """``fn`` with the KV-group-packed entmax forward (kernels.entmax_triton.PACK_GQA)."""
+    def run(*args):
+        KT.PACK_GQA = True
+        try:
+            return fn(*args)
+        finally:
+            KT.PACK_GQA = False
+    return run
+
+
+def time_packed(row, fn, q, k, v):
+    """Forward time of the packed variant, or its error (it holds 4x the rows per program: may not fit)."""
+    try:
+        with torch.no_grad():
+            row["entmax15_packed_fwd_s"] = timed(lambda: packed(fn)(q, k, v))
+    except Exception:  # noqa: BLE001
+        row["packed_error"] = traceback.format_exc()[-1500:]
+
+
 def compare_row(row, q, k, v, rep):
     """Forward and forward+backward of SDPA flash, our entmax and AdaSplash (K/V repeated: it takes no GQA)."""
     def flash(q, k, v):
@@ -131,6 +161,7 @@ def compare_row(row, q, k, v, rep):
     with torch.no_grad():
         for name, fn in fns.items():
             row[f"{name}_fwd_s"] = timed(lambda fn=fn: fn(q, k, v))
+    time_packed(row, ours, q, k, v)
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     for name, fn in fns.items():
         row[f"{name}_fwdbwd_s"] = timed(fwd_bwd(fn, qg, kg, vg))
@@ -174,6 +205,7 @@ for n in (8192, 16384, 32768):
             row["entmax15_fwd_s"] = timed(lambda: E.entmax_attention(q, k, v, None, alpha=1.5))
             if adasplash is not None:
                 row["adasplash_fwd_s"] = timed(lambda: adasplash(q, k, v, alpha=1.5, is_causal=True))
+        time_packed(row, lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5), q, k, v)
         q, k, v = qkv(n, grad=True)
         row["sdpa_fwdbwd_s"] = timed(fwd_bwd(sdpa, q, k, v))
         row["entmax15_fwdbwd_s"] = timed(fwd_bwd(lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5), q, k, v))

@@ -14,7 +14,7 @@
 # held-out text (held-out perplexity) and the haystacks of the held-out retrieval samples, and never appear in
 # training text or training haystacks (the run raises if they would). Needles come from other seeds than the
 # held-out samples', and training samples sharing a held-out answer are dropped.
-# α is annealed 1.01 -> 1.5 over ANNEAL steps (entmax, asentmax); entmax learns one α per head, asentmax its
+# α is annealed 1.01 -> ALPHA (default 1.5) over ANNEAL steps (entmax, asentmax); entmax learns one α per head, asentmax its
 # per-head δ/β, ssmax its per-head s (method parameters at METHOD_LR).
 set -euo pipefail
 
@@ -31,6 +31,7 @@ TASKS=${TASKS:-niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,niah_
 OUT=${OUT:-runs/retrieval_recipe}
 LAUNCH=${LAUNCH:-"accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"}
 EXTRA=${EXTRA:-}
+ALPHA=${ALPHA:-1.5}
 
 COMMON=(
   --model "$MODEL" --seq-len "$SEQ_LEN" --steps "$STEPS"
@@ -43,8 +44,8 @@ COMMON=(
 
 method_flags() {
   case "$1" in
-    entmax)   echo "--method entmax --method-config alpha=1.5 --learn-alpha --alpha-anneal-steps $ANNEAL" ;;
-    asentmax) echo "--method asentmax --method-config alpha=1.5 --alpha-anneal-steps $ANNEAL" ;;
+    entmax)   echo "--method entmax --method-config alpha=$ALPHA --learn-alpha --alpha-anneal-steps $ANNEAL" ;;
+    asentmax) echo "--method asentmax --method-config alpha=$ALPHA --alpha-anneal-steps $ANNEAL" ;;
     ssmax)    echo "--method ssmax" ;;
     dense)    echo "--method dense" ;;
     *) echo "unknown method '$1' (entmax, asentmax, ssmax, dense)" >&2; return 1 ;;

@@ -3,7 +3,8 @@
 Math (see ``hf_sparse_attn.methods.entmax``): scaled logits ``s = (α-1)·z`` (z = softcap(scale·q·k)), probabilities
 ``p = [s - τ]_+^{1/(α-1)}`` normalised by their row sum, ``τ`` the root of ``Σ [s - τ]_+^e = 1``.
 
-Forward, one program per (query block, query head); K/V of the head's KV group are read in place (GQA). Two dense
+Forward, one program per (query block, query head), or with ``pack`` per (query block, KV group) with the group's
+heads stacked as rows (each K/V tile loaded once for them); K/V read in place (GQA). Two dense
 passes over the visible key tiles, both QKᵀ only (no V), then output passes over the candidate tiles only:
   A. row max and a histogram of the scores in ``[max - 1, max]`` (τ lies there): 16 bins of width 1/15 on an absolute
      grid, 4-bit counters packed in one uint64 per (row, key lane) — one add per score — shifted down by whole bins
@@ -144,15 +145,15 @@ def _bin_of(s, ok, base):
 
 @triton.jit
 def _hist_root(cnt, base, top, fidx, em1, at, MODE: tl.constexpr):
-    """τ of the histogram: the root of Σ [x_f - τ]_+^e with every counted score moved to the point ``at`` of its bin
-    (0: the lower edge, 0.5: the centre; the max itself kept exact), by Newton from τ = max - 1 (f >= 0 there, convex
-    and decreasing: the iterates stay left of the root). With ``at=0`` every score moved down: a lower bound of τ."""
+    """τ of the histogram: the root of Σ [x_f - τ]_+^e (e - 1 = ``em1`` per row) with every counted score moved to
+    the point ``at`` of its bin (0: the lower edge, 0.5: the centre; the max itself kept exact), by Newton from
+    τ = max - 1 (f >= 0 there, convex and decreasing: the iterates stay left of the root). With ``at=0`` every score moved down: a lower bound of τ."""
     edge = (base[:, None] + fidx[None, :]).to(tl.float32) / HIST_PER_UNIT + at / HIST_PER_UNIT
     fm = tl.minimum(tl.floor(top * HIST_PER_UNIT).to(tl.int32) - base, HIST_FIELDS - 1)
     c = (cnt - tl.where(fidx[None, :] == fm[:, None], 1, 0)).to(tl.float32)
     tau = top - 1.0
     for _ in tl.static_range(_HIST_NEWTON):
-        p, u = _pow_terms(tl.maximum(edge - tau[:, None], 0.0), em1, MODE)
+        p, u = _pow_terms(tl.maximum(edge - tau[:, None], 0.0), em1[:, None], MODE)
         pm, um = _pow_terms(top - tau, em1, MODE)
         f = tl.sum(c * p, 1) + pm - 1.0
         fp = (tl.sum(c * u, 1) + um) * (em1 + 1.0)
@@ -161,25 +162,42 @@ def _hist_root(cnt, base, top, fidx, em1, at, MODE: tl.constexpr):
 
 
 @triton.jit
+def _per_head(x, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Max of a per-row value ``x`` (GROUP·BLOCK_M,) over each head's BLOCK_M rows -> (GROUP,)."""
+    return tl.max(tl.reshape(x, [GROUP, BLOCK_M]), 1)
+
+
+@triton.jit
 def _entmax_fwd_kernel(
     Q, K, V, ALPHA, NV, FV, OUT, TAU, NORM, SUPP, TILES, VISITS, DIAG,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, snvb,
-    sq, skv, q_off, window, rep, hq, scale, softcap, tol, max_iter, nqt, nkt,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    sq, skv, q_off, window, rep, hq, hpp, scale, softcap, tol, max_iter, nqt, nkt,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr, COUNT: tl.constexpr,
 ):
+    # One program per (query block, ``hpp`` query heads of one KV group): its GROUP·BLOCK_M rows are the block's rows
+    # of each head (head g in rows g·BLOCK_M ...), so every K/V tile is loaded once for the heads. GROUP is hpp rounded
+    # up to a power of two; the rows of the padding heads repeat the last head and are never stored.
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // hq
-    h = bh % hq
-    hk = h // rep
-    alpha = tl.load(ALPHA + h).to(tl.float32)
-    am1 = alpha - 1.0
+    bg = tl.program_id(1)
+    nph = hq // hpp
+    b = bg // nph
+    h0 = (bg % nph) * hpp
+    hk = h0 // rep
+    rows = tl.arange(0, GROUP * BLOCK_M)
+    g_row = rows // BLOCK_M
+    head = h0 + tl.minimum(g_row, hpp - 1)  # (R,) query head of each row
+    offs_m = pid_m * BLOCK_M + rows % BLOCK_M  # (R,) query position of each row
+    gidx = tl.arange(0, GROUP)
+    g_ok = gidx < hpp
+    am1 = tl.load(ALPHA + head).to(tl.float32) - 1.0  # (R,) α - 1 of each row's head
     em1 = 1.0 / am1 - 1.0
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    am1c = am1[:, None]
+    em1c = em1[:, None]
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < sq
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None], other=0.0)
     fv = 0
     if HAS_FV:
         fv = tl.load(FV + b).to(tl.int32)
@@ -191,19 +209,19 @@ def _entmax_fwd_kernel(
     v_base = V + b * svb + hk * svh
     offs_nb = tl.arange(0, BLOCK_N)
     fidx = tl.arange(0, HIST_FIELDS)
-    tile_row = (bh * nqt + pid_m) * nkt
+    tile_rows = ((b * hq + h0 + gidx) * nqt + pid_m) * nkt  # (GROUP,) tile-mask row of each head
 
     # A. (dense, QKᵀ only) row max and the histogram of the scores in [max - 1, max]
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    base = tl.zeros([BLOCK_M], tl.int32)
+    top = tl.full([GROUP * BLOCK_M], float("-inf"), tl.float32)
+    base = tl.zeros([GROUP * BLOCK_M], tl.int32)
     cbase = base
-    lanes = tl.zeros([BLOCK_M, BLOCK_N], tl.uint64)
-    cnt = tl.zeros([BLOCK_M, HIST_FIELDS], tl.int32)
-    one = tl.full([BLOCK_M, BLOCK_N], 1, tl.uint64)
+    lanes = tl.zeros([GROUP * BLOCK_M, BLOCK_N], tl.uint64)
+    cnt = tl.zeros([GROUP * BLOCK_M, HIST_FIELDS], tl.int32)
+    one = tl.full([GROUP * BLOCK_M, BLOCK_N], 1, tl.uint64)
     i = 0
     for start in range(lo_key, hi_key, BLOCK_N):
         s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
-                                       fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+                                       fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
         top = tl.maximum(top, tl.max(s, 1))
         seen = top > float("-inf")
         new_base = tl.where(seen, tl.floor((tl.where(seen, top, 0.0) - 1.0) * HIST_PER_UNIT).to(tl.int32), 0)
@@ -217,7 +235,7 @@ def _entmax_fwd_kernel(
         if i % (HIST_FIELDS - 1) == 0:
             cnt = _flush_hist(cnt, cbase, lanes, base, fidx)
             cbase = base
-            lanes = tl.zeros([BLOCK_M, BLOCK_N], tl.uint64)
+            lanes = tl.zeros([GROUP * BLOCK_M, BLOCK_N], tl.uint64)
     cnt = _flush_hist(cnt, cbase, lanes, base, fidx)
     top = tl.where(top > float("-inf"), top, 0.0)
 
@@ -230,19 +248,19 @@ def _entmax_fwd_kernel(
     t = tl.minimum(tl.maximum(_hist_root(cnt, base, top, fidx, em1, 0.5, MODE), tau_lo), tau_hi)
 
     # B. (dense, QKᵀ only) one Halley (α = 1.5) / Newton update from the bin-centre estimate + the candidate tiles
-    f = tl.zeros([BLOCK_M], tl.float32)
-    fp = tl.zeros([BLOCK_M], tl.float32)
-    count = tl.zeros([BLOCK_M], tl.float32)
+    f = tl.zeros([GROUP * BLOCK_M], tl.float32)
+    fp = tl.zeros([GROUP * BLOCK_M], tl.float32)
+    count = tl.zeros([GROUP * BLOCK_M], tl.float32)
     for start in range(lo_key, hi_key, BLOCK_N):
         s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
-                                       fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
-        p, u = _pow_terms(tl.maximum(s - t[:, None], 0.0), em1, MODE)
+                                       fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        p, u = _pow_terms(tl.maximum(s - t[:, None], 0.0), em1c, MODE)
         f += tl.sum(p, 1)
         fp += tl.sum(u, 1)
         if MODE == 1:  # f'' for Halley (the other modes take a Newton step)
             count += tl.sum(tl.where(s > t[:, None], 1.0, 0.0), 1)
-        cand = tl.max(tl.max(tl.where(s > tau_cand[:, None], 1, 0), 1), 0) > 0
-        tl.store(TILES + tile_row + start // BLOCK_N, tl.where(cand, 3, 1).to(tl.uint8))
+        cand = _per_head(tl.max(tl.where(s > tau_cand[:, None], 1, 0), 1), GROUP, BLOCK_M)
+        tl.store(TILES + tile_rows + start // BLOCK_N, tl.where(cand > 0, 3, 1).to(tl.uint8), mask=g_ok)
     f = f - 1.0
     fp = -fp * (em1 + 1.0)  # f'
     if MODE == 1:  # Halley: t - 2ff' / (2f'² - ff''), f'' = 2·count
@@ -254,33 +272,35 @@ def _entmax_fwd_kernel(
     t = tl.where((new >= lo) & (new <= hi), new, 0.5 * (lo + hi))
     tl.debug_barrier()
 
-    # C. output over the candidate tiles only; a row whose weights do not sum to 1 within tol gets a Newton update
-    #    and the pass repeats (tiles: 3 = candidate without weight at the current τ, 2 = non-zero)
+    # C. output over the candidate tiles only (of any head; a head's rows have no weight on a tile that is not its
+    #    candidate, since τ >= τ_cand); a row whose weights do not sum to 1 within tol gets a Newton update and the
+    #    pass repeats (tiles: 3 = candidate without weight at the current τ, 2 = non-zero)
     passes = 0
     go = 1
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    su = tl.zeros([BLOCK_M], tl.float32)
-    supp = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([GROUP * BLOCK_M, HEAD_DIM], tl.float32)
+    total = tl.zeros([GROUP * BLOCK_M], tl.float32)
+    su = tl.zeros([GROUP * BLOCK_M], tl.float32)
+    supp = tl.zeros([GROUP * BLOCK_M], tl.float32)
     err = 0.0
     while go > 0:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        su = tl.zeros([BLOCK_M], tl.float32)
-        supp = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([GROUP * BLOCK_M, HEAD_DIM], tl.float32)
+        total = tl.zeros([GROUP * BLOCK_M], tl.float32)
+        su = tl.zeros([GROUP * BLOCK_M], tl.float32)
+        supp = tl.zeros([GROUP * BLOCK_M], tl.float32)
         for start in range(lo_key, hi_key, BLOCK_N):
-            tile = tile_row + start // BLOCK_N
-            if tl.load(TILES + tile) >= 2:
+            state = tl.load(TILES + tile_rows + start // BLOCK_N, mask=g_ok, other=0)
+            if tl.max(state, 0) >= 2:
                 offs_n = start + offs_nb
                 s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window,
-                                               fv, scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+                                               fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
                 d = tl.maximum(s - t[:, None], 0.0)
-                nonzero = tl.max(tl.max(d, 1), 0) > 0
-                tl.store(TILES + tile, tl.where(nonzero, 2, 3).to(tl.uint8))
+                nz_head = _per_head(tl.max(d, 1), GROUP, BLOCK_M) > 0
+                cand = g_ok & (state >= 2)
+                tl.store(TILES + tile_rows + start // BLOCK_N, tl.where(nz_head, 2, 3).to(tl.uint8), mask=cand)
                 if COUNT:
-                    tl.store(VISITS + tile, tl.where(nonzero, 1, 0).to(tl.uint8))
-                if nonzero:
-                    p, u = _pow_terms(d, em1, MODE)
+                    tl.store(VISITS + tile_rows + start // BLOCK_N, tl.where(nz_head, 1, 0).to(tl.uint8), mask=cand)
+                if tl.max(tl.max(d, 1), 0) > 0:
+                    p, u = _pow_terms(d, em1c, MODE)
                     total += tl.sum(p, 1)
                     su += tl.sum(u, 1)
                     supp += tl.sum(tl.where(p > 0, 1.0, 0.0), 1)
@@ -300,18 +320,19 @@ def _entmax_fwd_kernel(
         t = tl.where(off & (go > 0), new, t)
         tl.debug_barrier()
     for start in range(lo_key, hi_key, BLOCK_N):  # candidates left without weight: visible, all zero
-        if tl.load(TILES + tile_row + start // BLOCK_N) == 3:
-            tl.store(TILES + tile_row + start // BLOCK_N, 1)
+        state = tl.load(TILES + tile_rows + start // BLOCK_N, mask=g_ok, other=0)
+        tl.store(TILES + tile_rows + start // BLOCK_N, tl.full([GROUP], 1, tl.uint8), mask=g_ok & (state == 3))
 
     total = tl.where(live, total, 0.0)
     inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
     out = acc * inv[:, None]
-    row = bh * sq + offs_m
-    tl.store(OUT + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(TAU + row, tl.where(live, t, 3.0e38), mask=row_ok)
-    tl.store(NORM + row, tl.where(live, total, 1.0), mask=row_ok)
-    tl.store(SUPP + row, tl.where(live, supp, 0.0), mask=row_ok)
-    prog = bh * nqt + pid_m
+    row = (b * hq + head) * sq + offs_m
+    keep = row_ok & (g_row < hpp)
+    tl.store(OUT + row[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
+    tl.store(TAU + row, tl.where(live, t, 3.0e38), mask=keep)
+    tl.store(NORM + row, tl.where(live, total, 1.0), mask=keep)
+    tl.store(SUPP + row, tl.where(live, supp, 0.0), mask=keep)
+    prog = bg * nqt + pid_m
     tl.store(DIAG + 2 * prog, passes.to(tl.float32))
     tl.store(DIAG + 2 * prog + 1, err)
 
@@ -495,14 +516,22 @@ TOL = 1e-4
 MAX_ITER = 30  # output passes at most (each after the first is one Newton update of the rows not yet within TOL)
 
 
+# Forward programs per (query block, KV group): K/V tiles loaded once per group instead of once per query head, at
+# GROUP·64 rows of state per program (more registers: GROUP 4 holds a 256-row tile). Off until a GPU measures it
+# (benchmarks/gpu_check.sh times both); the interpreter tests check both give the reference's results.
+PACK_GQA = False
+
+
 def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, visits=None, tol: float = TOL,
-            blocks=None):
+            blocks=None, pack: bool | None = None):
     """Launch the forward kernel. Returns (out, τ, row sums, support sizes, tile mask, diag) like ``entmax_fwd``;
     diag = [τ updates after the histogram bracket (1 = the pass-B update only; each more is one more output pass)
     of the slowest query block, max |Σp - 1| before the final normalisation], computed on the device (no sync).
     ``visits`` (test only): a zeroed uint8 tensor shaped like the tile mask; the kernel sets 1 where its last output
     pass ran P·V. ``tol``: the |Σp - 1| a row must reach (:data:`TOL`). ``blocks`` (benchmarks): a list that receives
-    the (query blocks, 2) tensor of per-block [τ updates, |Σp - 1|] behind ``diag``."""
+    the (programs, 2) tensor of per-program [τ updates, |Σp - 1|] behind ``diag`` (rows past the programs run stay
+    0). ``pack``: one program per (query block, KV group) instead of per (query block, query head), so each K/V tile
+    is loaded once for the group's heads (default :data:`PACK_GQA`; same results, see the tests)."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -516,15 +545,17 @@ def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, 
     nv = n_valid.to(torch.float32).contiguous()
     fv = first_valid if first_valid is not None else tau  # dummy pointer when unused
     bm, bn, warps = _blocks(dh, q.dtype)
-    grid = (triton.cdiv(sq, bm), b * hq)
+    hpp = hq // hkv if (PACK_GQA if pack is None else pack) else 1
+    grid = (triton.cdiv(sq, bm), b * hq // hpp)
     _entmax_fwd_kernel[grid](
         q, k, v, alpha.to(torch.float32).contiguous(), nv, fv, out, tau, norm, supp, tiles,
         visits if visits is not None else tiles, per_block,
         *q.stride(), *k.stride(), *v.stride(), nv.stride(0) if nv.shape[0] > 1 else 0,
-        sq, skv, skv - sq, int(window), hq // hkv, hq, float(scale), float(softcap or 1.0), float(tol), MAX_ITER,
+        sq, skv, skv - sq, int(window), hq // hkv, hq, hpp, float(scale), float(softcap or 1.0), float(tol), MAX_ITER,
         nqt, nkt,
-        HEAD_DIM=dh, BLOCK_M=bm, BLOCK_N=bn, MODE=int(mode), HAS_SOFTCAP=bool(softcap),
-        HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32, COUNT=visits is not None, num_warps=warps,
+        HEAD_DIM=dh, BLOCK_M=bm, BLOCK_N=bn, GROUP=triton.next_power_of_2(hpp), MODE=int(mode),
+        HAS_SOFTCAP=bool(softcap), HAS_FV=first_valid is not None, FP32=q.dtype == torch.float32,
+        COUNT=visits is not None, num_warps=warps,
     )
     if blocks is not None:
         blocks.append(per_block)

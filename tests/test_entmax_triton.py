@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
     from hf_sparse_attn.masks import LeftPadding
     from hf_sparse_attn.methods import entmax as E
 
-    def run(alpha, hq, hkv, sq, skv, d, softcap, window, fv, dtype, tol=1e-6):
+    def run(alpha, hq, hkv, sq, skv, d, softcap, window, fv, dtype, tol=1e-6, pack=False):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, h, s, d, generator=g).to(dtype) for h, s in ((hq, sq), (hkv, skv), (hkv, skv)))
         q = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous query, as HF passes it
@@ -35,14 +35,14 @@ _SCRIPT = textwrap.dedent(
         mask = LeftPadding(first, sq, skv) if fv is not None else None
         nv = E.key_counts(mask, 2, sq, skv, causal=True, sliding_window=window or None, device="cpu")
         scale = d ** -0.5
-        return compare(q, k, v, a, nv, first, scale, softcap, window, mode, g, tol)
+        return compare(q, k, v, a, nv, first, scale, softcap, window, mode, g, tol, pack)
 
-    def compare(q, k, v, a, nv, first, scale, softcap, window, mode, g, tol=1e-6):
+    def compare(q, k, v, a, nv, first, scale, softcap, window, mode, g, tol=1e-6, pack=False):
         b, hq, sq = q.shape[:3]
         dtype = q.dtype
         vis = [torch.zeros(b, hq, *E.tiles_cpu.tile_grid(sq, k.shape[2]), dtype=torch.uint8) for _ in range(3)]
         out, tau, norm, supp, tiles, diag = T.forward(q, k, v, a, nv, first, scale, softcap, window, mode,
-                                                       visits=vis[0], tol=tol)
+                                                       visits=vis[0], tol=tol, pack=pack)
         f32 = [t.float() for t in (q, k, v)]
         ref = E.entmax_fwd(*f32, a, nv, first, None, scale, softcap, window, True, mode, True)
         do = torch.randn(out.shape, generator=g).to(dtype)
@@ -70,7 +70,7 @@ _SCRIPT = textwrap.dedent(
             "visits_are_nonzero_tiles": [bool(torch.equal(x, nonzero)) for x in vis],
         }
 
-    def structured(dtype):
+    def structured(dtype, pack=False):
         # known tile support: query tile 0 -> key tile 0, query tile 1 -> key tile 0, query tile 2 -> key tile 2
         g = torch.Generator().manual_seed(1)
         n, d, c = 192, 64, 8.0
@@ -82,7 +82,7 @@ _SCRIPT = textwrap.dedent(
         v = torch.randn(1, 1, n, d, generator=g)
         a = torch.full((2,), 1.5)
         nv = E.key_counts(None, 1, n, n, causal=True, sliding_window=None, device="cpu")
-        r = compare(q.to(dtype), k.to(dtype), v.to(dtype), a, nv, None, d ** -0.5, 0.0, 0, 1, g)
+        r = compare(q.to(dtype), k.to(dtype), v.to(dtype), a, nv, None, d ** -0.5, 0.0, 0, 1, g, pack=pack)
         return r
 
     cases = json.loads(sys.argv[1])
@@ -90,7 +90,7 @@ _SCRIPT = textwrap.dedent(
     for c in cases:
         c = dict(c)
         if c.pop("structured", False):
-            results.append(structured(getattr(torch, c["dtype"])))
+            results.append(structured(getattr(torch, c["dtype"]), c.get("pack", False)))
             continue
         c["dtype"] = getattr(torch, c["dtype"])
         results.append(run(**c))
@@ -119,6 +119,10 @@ def _cases():
     for alpha in (1.5, 2.0, [1.25, 1.4, 1.7, 1.9]):  # the kernel's default tolerance (|Σp - 1| <= 1e-4)
         cases.append(dict(alpha=alpha, hq=4, hkv=1, sq=100, skv=130, d=64, softcap=0.0, window=0, fv=None,
                           dtype="float32", tol=1e-4))
+    # the forward with a KV group's heads in one program (PACK_GQA), on the GQA cases above and a group of 3 heads
+    # (padded to 4 rows of heads)
+    cases.append(dict(alpha=1.25, hq=6, hkv=2, sq=37, skv=45, d=64, softcap=0.0, window=0, fv=None, dtype="float32"))
+    cases += [dict(c, pack=True) for c in list(cases) if c.get("structured") or c["hq"] != c["hkv"]]
     return cases
 
 
