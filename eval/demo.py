@@ -2,12 +2,18 @@
 
 A few RULER tasks at two lengths, a handful of samples each (about ten minutes on a 2-core CPU). Prints the
 summary table and writes ``results.json``, ``summary.md`` and the plots into ``--out``.
+
+Zero-shot entmax on a softmax-trained model loses retrieval. When a fine-tune of the demo's model exists in
+``--finetuned`` (default :data:`FINETUNED`, what ``make finetune-demo`` writes), its row (``entmax-ft``) replaces
+the zero-shot ``entmax`` row of the default method list.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 
 DEFAULTS = dict(
     model="smollm2",
@@ -17,6 +23,25 @@ DEFAULTS = dict(
     samples="2",
     max_new_tokens="32",  # the answers are short (a number, five variable names)
 )
+FINETUNED = "runs/retrieval_demo/entmax"  # `make finetune-demo`: the retrieval recipe's entmax fine-tune
+
+
+def with_finetune(methods: list[str], folder: str, model: str) -> list[str]:
+    """``methods`` with zero-shot ``entmax`` replaced by ``finetuned:folder`` when ``folder`` holds a fine-tune of
+    ``model`` (else unchanged, saying why once)."""
+    if "entmax" not in methods or not folder:
+        return methods
+    config = Path(folder) / "finetune_config.json"
+    if not config.is_file():
+        print(f"demo: no fine-tune in {folder}: the entmax row is zero-shot entmax on the softmax-trained model "
+              "(it loses retrieval); `make finetune-demo` makes one")
+        return methods
+    tuned_from = json.loads(config.read_text())["args"]["model"]
+    if tuned_from != model:
+        print(f"demo: the fine-tune in {folder} is of {tuned_from!r}, not {model!r}: the entmax row stays zero-shot")
+        return methods
+    print(f"demo: the entmax row is the fine-tune in {folder} (entmax-ft); --finetuned '' for zero-shot entmax")
+    return [f"finetuned:{folder}" if m == "entmax" else m for m in methods]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="hf-sparse-attn demo", description=__doc__)
     p.add_argument("--out", default="demo_out")
+    p.add_argument("--finetuned", default=FINETUNED,
+                   help="a `finetune` output folder whose row replaces zero-shot entmax in the default --methods "
+                        "when it exists ('' = never)")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", default=v)
     args, extra = p.parse_known_args(argv)
@@ -36,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         kept = [m for m in methods if m not in missing]
         print(f"demo: method(s) {missing} are not registered in this build; running {kept}")
         methods = [m for m in methods if m not in missing]
+    if args.methods == DEFAULTS["methods"]:  # an explicit --methods list runs as given
+        methods = with_finetune(methods, args.finetuned, args.model)
     return eval_main(
         [
             "--model",
