@@ -147,7 +147,8 @@ def _bin_of(s, ok, base):
 def _hist_root(cnt, base, top, fidx, em1, at, MODE: tl.constexpr):
     """τ of the histogram: the root of Σ [x_f - τ]_+^e (e - 1 = ``em1`` per row) with every counted score moved to
     the point ``at`` of its bin (0: the lower edge, 0.5: the centre; the max itself kept exact), by Newton from
-    τ = max - 1 (f >= 0 there, convex and decreasing: the iterates stay left of the root). With ``at=0`` every score moved down: a lower bound of τ."""
+    τ = max - 1 (f >= 0 there, convex and decreasing: the iterates stay left of the root). With ``at=0`` every
+    score moved down: a lower bound of τ."""
     edge = (base[:, None] + fidx[None, :]).to(tl.float32) / HIST_PER_UNIT + at / HIST_PER_UNIT
     fm = tl.minimum(tl.floor(top * HIST_PER_UNIT).to(tl.int32) - base, HIST_FIELDS - 1)
     c = (cnt - tl.where(fidx[None, :] == fm[:, None], 1, 0)).to(tl.float32)
