@@ -83,6 +83,17 @@ def fwd_bwd(fn, q, k, v):
     return run
 
 
+def packed(fn):
+    """``fn`` with the KV-group-packed entmax forward (kernels.entmax_triton.PACK_GQA)."""
+    def run(*args):
+        KT.PACK_GQA = True
+        try:
+            return fn(*args)
+        finally:
+            KT.PACK_GQA = False
+    return run
+
+
 # --- self-check: Triton kernel vs the blockwise PyTorch path (same GPU), fp32 compute, 2k tokens, GQA, softcap
 try:
     q, k, v = (t.float().requires_grad_(True) for t in qkv(2048))
@@ -95,13 +106,10 @@ try:
                                    True, mode, True)
         err = float((tri[0] - ref[0]).abs().max())
         try:  # the KV-group-packed forward (PACK_GQA) on the same inputs
-            KT.PACK_GQA = True
-            packed_out = E.entmax_fwd(q, k, v, a, nv, None, None, 128 ** -0.5, 30.0, 0, True, mode, True)[0]
+            packed_out = packed(E.entmax_fwd)(q, k, v, a, nv, None, None, 128 ** -0.5, 30.0, 0, True, mode, True)[0]
             res["checks"][f"alpha{alpha}_packed_err"] = float((packed_out - ref[0]).abs().max())
         except Exception:  # noqa: BLE001
             res["checks"][f"alpha{alpha}_packed_err"] = traceback.format_exc()[-1500:]
-        finally:
-            KT.PACK_GQA = False
         density = float(tri[3].sum() / (32 * nv.sum()))
         res["checks"][f"alpha{alpha}"] = {"max_abs_err_vs_torch": err, "density": density}
         if not err < 1e-3:
@@ -122,17 +130,6 @@ def tile_sparsity(q, k, v, alpha=1.5):
     with torch.no_grad():
         E.entmax_attention(q, k, v, None, alpha=alpha, stats=st)
     return E.tile_fractions(st["tiles"])["skipped"], st["diag"].tolist()
-
-
-def packed(fn):
-    """``fn`` with the KV-group-packed entmax forward (kernels.entmax_triton.PACK_GQA)."""
-    def run(*args):
-        KT.PACK_GQA = True
-        try:
-            return fn(*args)
-        finally:
-            KT.PACK_GQA = False
-    return run
 
 
 def time_packed(row, fn, q, k, v):

@@ -14,8 +14,8 @@
 # held-out text (held-out perplexity) and the haystacks of the held-out retrieval samples, and never appear in
 # training text or training haystacks (the run raises if they would). Needles come from other seeds than the
 # held-out samples', and training samples sharing a held-out answer are dropped.
-# α is annealed 1.01 -> ALPHA (default 1.5) over ANNEAL steps (entmax, asentmax); entmax learns one α per head, asentmax its
-# per-head δ/β, ssmax its per-head s (method parameters at METHOD_LR).
+# α is annealed 1.01 -> ALPHA (default 1.5) over ANNEAL steps (entmax, asentmax); entmax learns one α per head,
+# asentmax its per-head δ/β, ssmax its per-head s (method parameters at METHOD_LR).
 set -euo pipefail
 
 MODEL=${MODEL:-smollm2}

@@ -295,12 +295,13 @@ def _entmax_fwd_kernel(
                 s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window,
                                                fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
                 d = tl.maximum(s - t[:, None], 0.0)
-                nz_head = _per_head(tl.max(d, 1), GROUP, BLOCK_M) > 0
+                d_max = tl.max(d, 1)
+                nz_head = _per_head(d_max, GROUP, BLOCK_M) > 0
                 cand = g_ok & (state >= 2)
                 tl.store(TILES + tile_rows + start // BLOCK_N, tl.where(nz_head, 2, 3).to(tl.uint8), mask=cand)
                 if COUNT:
                     tl.store(VISITS + tile_rows + start // BLOCK_N, tl.where(nz_head, 1, 0).to(tl.uint8), mask=cand)
-                if tl.max(tl.max(d, 1), 0) > 0:
+                if tl.max(d_max, 0) > 0:
                     p, u = _pow_terms(d, em1c, MODE)
                     total += tl.sum(p, 1)
                     su += tl.sum(u, 1)
@@ -519,7 +520,7 @@ MAX_ITER = 30  # output passes at most (each after the first is one Newton updat
 
 # Forward programs per (query block, KV group): K/V tiles loaded once per group instead of once per query head, at
 # GROUP·64 rows of state per program (more registers: GROUP 4 holds a 256-row tile). Off until a GPU measures it
-# (benchmarks/gpu_check.sh times both); the interpreter tests check both give the reference's results.
+# (benchmarks/gpu_check_entmax.sh times both); the interpreter tests check both give the reference's results.
 PACK_GQA = False
 
 
@@ -530,9 +531,9 @@ def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, 
     of the slowest query block, max |Σp - 1| before the final normalisation], computed on the device (no sync).
     ``visits`` (test only): a zeroed uint8 tensor shaped like the tile mask; the kernel sets 1 where its last output
     pass ran P·V. ``tol``: the |Σp - 1| a row must reach (:data:`TOL`). ``blocks`` (benchmarks): a list that receives
-    the (programs, 2) tensor of per-program [τ updates, |Σp - 1|] behind ``diag`` (rows past the programs run stay
-    0). ``pack``: one program per (query block, KV group) instead of per (query block, query head), so each K/V tile
-    is loaded once for the group's heads (default :data:`PACK_GQA`; same results, see the tests)."""
+    the (programs, 2) tensor of per-program [τ updates, |Σp - 1|] behind ``diag``. ``pack``: one program per
+    (query block, KV group) instead of per (query block, query head), so each K/V tile is loaded once for the
+    group's heads (default :data:`PACK_GQA`; same results, see the tests)."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -542,12 +543,12 @@ def forward(q, k, v, alpha, n_valid, first_valid, scale, softcap, window, mode, 
     supp = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     nqt, nkt = tile_grid(sq, skv)
     tiles = torch.zeros((b, hq, nqt, nkt), dtype=torch.uint8, device=q.device)
-    per_block = torch.zeros((b * hq * nqt, 2), dtype=torch.float32, device=q.device)
     nv = n_valid.to(torch.float32).contiguous()
     fv = first_valid if first_valid is not None else tau  # dummy pointer when unused
     bm, bn, warps = _blocks(dh, q.dtype)
     hpp = hq // hkv if (PACK_GQA if pack is None else pack) else 1
     grid = (triton.cdiv(sq, bm), b * hq // hpp)
+    per_block = torch.zeros((grid[0] * grid[1], 2), dtype=torch.float32, device=q.device)
     _entmax_fwd_kernel[grid](
         q, k, v, alpha.to(torch.float32).contiguous(), nv, fv, out, tau, norm, supp, tiles,
         visits if visits is not None else tiles, per_block,

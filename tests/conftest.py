@@ -22,6 +22,19 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """``finetune.run`` creates an ``Accelerator`` (process-wide singleton state): reset it around each in-process
+    run."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 # Triton 3.6's interpreter fails on loop bounds computed from tensors (`range(lo, tl.minimum(...))`: "only
 # 0-dimensional arrays can be converted to Python scalars"); 3.7 and later run the kernels. Compiled on a GPU, 3.6 is
 # fine (the gpu extra asks for >= 3.6).

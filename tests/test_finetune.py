@@ -35,18 +35,6 @@ def _require(method: str) -> None:
         pytest.fail(f"method {method!r} is not registered (registered: {list_methods()})")
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """``run`` creates an ``Accelerator`` (process-wide singleton state): reset it around each in-process run."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _run(tmp_path: Path, *extra: str, name: str = "out"):
     out = tmp_path / name
     argv = ["--model", "tiny-llama", "--synthetic-retrieval", "--seq-len", "64", "--num-train-samples", "16",

@@ -22,25 +22,17 @@ def test_demo_runs_its_three_methods_and_writes_table_and_plots(tmp_path, capsys
     assert "| **average** |" in printed and "entmax" in printed
 
 
-def test_demo_shows_the_fine_tuned_entmax_row_when_a_fine_tune_exists(tmp_path, capsys):
+def test_demo_shows_the_fine_tuned_entmax_row_when_a_fine_tune_exists(tmp_path, capsys, fresh_accelerate):
     """A `finetune` output folder of the demo's model replaces the zero-shot entmax row (``entmax-ft``); a missing
     folder or one of another model leaves zero-shot entmax and says why."""
     pytest.importorskip("peft")
-    from accelerate.state import AcceleratorState, GradientState
-
     from hf_sparse_attn.finetune import build_parser, run
 
     ft = tmp_path / "ft"
     argv = ["--model", "tiny-llama", "--synthetic-retrieval", "--seq-len", "64", "--num-train-samples", "4",
             "--num-eval-samples", "2", "--steps", "1", "--no-progress", "--log-every", "0", "--method", "entmax",
             "--lora", "--lora-r", "2", "--output-dir", str(ft)]
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        run(build_parser().parse_args(argv))
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    run(build_parser().parse_args(argv))
     assert demo.with_finetune(["dense", "bfla", "entmax"], str(ft), "tiny-llama") == [
         "dense", "bfla", f"finetuned:{ft}"]
     assert demo.with_finetune(["dense", "entmax"], str(ft), "smollm2") == ["dense", "entmax"]
