@@ -57,8 +57,11 @@ def _bench_length(n, b, hq, hkv, d, bs, dt, scale, args):
         plan, real, keep = _lists_at_density(b, hkv, n, n, bs, dens, dev)
         ms = triton.testing.do_bench(
             lambda plan=plan: triton_fwd(q, k, v, plan.counts, plan.ids, scale, 0.0, 0, bs), warmup=5, rep=20)
+        ms_all = triton.testing.do_bench(  # the former kernel: the visibility mask on every sub-tile
+            lambda plan=plan: triton_fwd(q, k, v, plan.counts, plan.ids, scale, 0.0, 0, bs, mask_all=True),
+            warmup=5, rep=20)
         entry = {"target_density": dens, "density": real, "bfla_fwd_ms": ms,
-                 "speedup_vs_sdpa": row["sdpa_flash_ms"] / ms}
+                 "speedup_vs_sdpa": row["sdpa_flash_ms"] / ms, "bfla_fwd_mask_all_ms": ms_all}
         if n <= args.flex_max:
             try:
                 entry.update(_flex(q, k, v, keep, bs, scale))

@@ -14,7 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _first_valid, _key_span, _tanh, _visible, compiled_on_cuda, tile_sizes
+from .bfla_fwd import (
+    _dot_prec,
+    _first_valid,
+    _key_span,
+    _sub_tile_is_partial,
+    _tanh,
+    _visible,
+    compiled_on_cuda,
+    tile_sizes,
+)
 
 
 @triton.jit
@@ -70,8 +79,9 @@ def _bfla_bwd_dq_kernel(
                 s2 = softcap * th * 1.4426950408889634
             else:
                 s2 = s * (scale * 1.4426950408889634)
-            ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD)
-            p = tl.where(ok, tl.exp2(s2 - lse2[:, None]), 0.0)
+            p = tl.exp2(s2 - lse2[:, None])
+            if _sub_tile_is_partial(start + n0, q_first, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW, HAS_PAD):
+                p = tl.where(_visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD), p, 0.0)
             dp = tl.dot(do, vt, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
             if HAS_SOFTCAP:
@@ -129,7 +139,9 @@ def _bfla_bwd_dkdv_kernel(
             offs_m = start + m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < SQ
             q_abs = offs_m + q_offset
-            ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
+            q_last = tl.minimum(start + m0 + BLOCK_M, SQ) - 1 + q_offset
+            partial = _sub_tile_is_partial(n0, start + m0 + q_offset, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW,
+                                           HAS_PAD) | (start + m0 + BLOCK_M > SQ)
             for r in range(0, rep):
                 hq = hkv * rep + r
                 bh = b * HQ + hq
@@ -145,7 +157,10 @@ def _bfla_bwd_dkdv_kernel(
                     s2 = softcap * th * 1.4426950408889634
                 else:
                     s2 = s * (scale * 1.4426950408889634)
-                p = tl.where(ok, tl.exp2(s2 - lse2[:, None]), 0.0)
+                p = tl.exp2(s2 - lse2[:, None])
+                if partial:  # only sub-tiles that hide some (query, key) pair need the mask
+                    ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
+                    p = tl.where(ok, p, 0.0)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
                 dp = tl.dot(do, tl.trans(vv), input_precision=DOT_PREC)
                 ds = p * (dp - delta[:, None])

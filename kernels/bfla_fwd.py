@@ -59,6 +59,20 @@ def _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW: tl.constexpr, HAS_PA
 
 
 @triton.jit
+def _sub_tile_is_partial(k0, q_first, q_last, SKV, window, fv,
+                         BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr):
+    """Whether some (query, key) pair of keys ``[k0, k0+BLOCK_N)`` x queries ``q_first..q_last`` (absolute) is
+    hidden (past the diagonal or the sequence end, out of the window, left padding): only such sub-tiles need
+    :func:`_visible`. In a causal prefill that is the diagonal region only; every other kept tile runs mask-free."""
+    partial = (k0 + BLOCK_N - 1 > q_first) | (k0 + BLOCK_N > SKV)
+    if HAS_WINDOW:
+        partial = partial | (k0 <= q_last - window)
+    if HAS_PAD:
+        partial = partial | (k0 < fv)
+    return partial
+
+
+@triton.jit
 def _first_valid(FV, b, HAS_PAD: tl.constexpr):
     """The batch row's first valid key (0 without padding)."""
     fv = 0
@@ -79,12 +93,14 @@ def _bfla_fwd_kernel(
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HPT: tl.constexpr,
+    HPT: tl.constexpr, EVEN_N: tl.constexpr, MASK_ALL: tl.constexpr,
 ):
     """Grid ``(cdiv(SQ, BLOCK_M), B*HKV, cdiv(HQ//HKV, HPT))``: one program = query rows ``[m0, m0+BLOCK_M)`` of
     ``HPT`` query heads of one KV group, stacked as one ``(HPT*BLOCK_M, HEAD_DIM)`` Q block (row ``r``: head
     ``r // BLOCK_M`` of the head tile, query ``m0 + r % BLOCK_M``), so every kept K/V sub-tile is loaded once for
-    all of them. Heads past the group (group sizes that are not powers of two) are padding: computed, not stored."""
+    all of them. Heads past the group (group sizes that are not powers of two) are padding: computed, not stored.
+    ``EVEN_N``: ``SKV % BLOCK_N == 0`` (no sub-tile reaches past the keys: unmasked loads). ``MASK_ALL``: apply the
+    visibility mask on every sub-tile (the former behaviour, kept to time against); else only on partial ones."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HKV
@@ -121,15 +137,23 @@ def _bfla_fwd_kernel(
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = start + n0 + tl.arange(0, BLOCK_N)
             col_ok = offs_n < SKV
-            kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :], other=0.0)
-            vv = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=col_ok[:, None], other=0.0)
+            k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None] * skd
+            v_ptrs = v_base + offs_n[:, None] * svn + offs_d[None, :] * svd
+            if EVEN_N:
+                kt = tl.load(k_ptrs)
+                vv = tl.load(v_ptrs)
+            else:
+                kt = tl.load(k_ptrs, mask=col_ok[None, :], other=0.0)
+                vv = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
             s = tl.dot(q, kt, input_precision=DOT_PREC)
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
             else:
                 s = s * qk_scale
-            ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD)
-            s = tl.where(ok, s, float("-inf"))
+            if MASK_ALL:
+                s = tl.where(_visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD), s, float("-inf"))
+            elif _sub_tile_is_partial(start + n0, q_first, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW, HAS_PAD):
+                s = tl.where(_visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
@@ -182,9 +206,11 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int,
-                first_valid=None, num_warps: int | None = None, num_stages: int | None = None):
+                first_valid=None, num_warps: int | None = None, num_stages: int | None = None,
+                mask_all: bool = False):
     """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse).
-    ``first_valid (B,)``: left padding (None: none); ``num_warps`` / ``num_stages`` None: the measured defaults."""
+    ``first_valid (B,)``: left padding (None: none); ``num_warps`` / ``num_stages`` None: the measured defaults;
+    ``mask_all``: the visibility mask on every sub-tile (the former kernel; for timing against)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
@@ -200,18 +226,20 @@ def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: in
         hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0),
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None,
         DOT_PREC=_dot_prec(q.dtype),
-        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, EVEN_N=skv % bn == 0,
+        MASK_ALL=bool(mask_all), num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
 
 
 def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int,
-               block_m: int | None = None, block_n: int | None = None, first_valid=None):
+               block_m: int | None = None, block_n: int | None = None, first_valid=None, mask_all: bool = False):
     """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse).
     ``block_m`` / ``block_n`` override the per-head query tile / key sub-tile (see :func:`fwd_tiles`);
-    ``first_valid (B,)``: left padding."""
+    ``first_valid (B,)``: left padding; ``mask_all``: see :func:`_launch_fwd`."""
     bm, bn, hpt = fwd_tiles(q.shape[1] // k.shape[1], block_size, q.shape[-1], compiled_on_cuda(q), block_m, block_n)
-    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt, first_valid)
+    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt, first_valid,
+                       mask_all=mask_all)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -203,6 +203,30 @@ def test_kernel_heads_per_tile_any(hpt):
     torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", [
+    (1, 4, 2, 96, 96, 16, 32, 16, 16, 0.0, 0),  # aligned prefill: SKV % BLOCK_N == 0 (unmasked loads)
+    (1, 2, 1, 45, 109, 16, 16, 16, 16, 0.0, 0),  # chunked prefill, keys end inside a sub-tile
+    (2, 2, 2, 50, 83, 32, 16, 16, 16, 0.0, 21),  # window edge tiles
+])
+def test_kernel_masks_only_partial_sub_tiles(case):
+    """The forward applies the visibility mask only on sub-tiles that hide some (query, key) pair: bit-identical to
+    masking every sub-tile (the former kernel), and equal to the reference, with and without left padding."""
+    from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
+
+    b, hq, hkv, sq, skv, d, bs, bm, bn, softcap, window = case
+    for fv in (None, [0, 7][:b] if b > 1 else [5]):
+        q, k, v, plan = _plan_and_inputs(case, torch.float32, keep_mass=0.9, first_valid=fv)
+        args = (q, k, v, plan.counts, plan.ids, d**-0.5, softcap, window, bs)
+        o, lse = triton_fwd(*args, block_m=bm, block_n=bn, first_valid=plan.first_valid)
+        o_all, lse_all = triton_fwd(*args, block_m=bm, block_n=bn, first_valid=plan.first_valid, mask_all=True)
+        assert torch.equal(o, o_all) and torch.equal(lse, lse_all)
+        ro, rlse = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, d**-0.5, softcap, window, bs,
+                                             plan.first_valid)
+        torch.testing.assert_close(o, ro, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, rlse, atol=2e-5, rtol=2e-5)
+
+
 def test_fwd_tile_rules():
     from hf_sparse_attn.kernels.bfla_fwd import fwd_tiles
 
