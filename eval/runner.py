@@ -26,7 +26,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -218,10 +218,40 @@ def validate(cfg: EvalConfig) -> list[MethodSpec]:
     return specs
 
 
+def _sample_settings(cfg: EvalConfig) -> dict[str, Any]:
+    """The run settings that decide which samples a (task, length) gets."""
+    return {"model": cfg.model, "samples": cfg.samples, "seed": cfg.seed, "haystack": cfg.haystack,
+            "chat_template": cfg.chat_template, "qa_dir": cfg.qa_dir, "longbench_dir": cfg.longbench_dir}
+
+
+def _cached_samples(cfg: EvalConfig, task: str, path: Path, meta: Path) -> list[dict[str, Any]] | None:
+    """The samples saved in ``path`` if they were made with this run's settings (``meta``, written beside them),
+    else None (and say why). A file saved before ``meta`` existed is kept when it holds the requested count."""
+    if not path.exists():
+        return None
+    samples = ruler.load_samples(path)
+    want = _sample_settings(cfg)
+    if meta.exists():
+        made = json.loads(meta.read_text())
+        if made == want:
+            return samples
+        why = ", ".join(f"{k}={made.get(k)!r}" for k in want if made.get(k) != want[k])
+    elif len(samples) == cfg.samples or (_is_longbench(task) and len(samples) < cfg.samples):
+        return samples
+    else:
+        why = f"{len(samples)} samples"
+    print(f"{path} was made with {why}; generating the samples of this run's settings instead")
+    return None
+
+
 def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir: Path) -> list[dict[str, Any]]:
+    """The samples of (task, length): read from ``sample_dir`` when that holds them for this run's settings, else
+    generated (or read from the LongBench data) and saved there with their settings."""
     path = sample_dir / f"{task}_{length}.jsonl"
-    if path.exists():
-        return ruler.load_samples(path)
+    meta = sample_dir / f"{task}_{length}.settings.json"
+    cached = _cached_samples(cfg, task, path, meta)
+    if cached is not None:
+        return cached
     if _is_longbench(task):
         from . import longbench
 
@@ -243,6 +273,7 @@ def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir:
             qa_dir=cfg.qa_dir,
         )
     ruler.save_samples(samples, path)
+    meta.write_text(json.dumps(_sample_settings(cfg)))
     return samples
 
 
@@ -431,13 +462,40 @@ def _row_key(row: dict) -> tuple:
     return (row["method"], row["task"], row["length"], row["sample_id"])
 
 
-def resume_from(cfg: EvalConfig, specs: list[MethodSpec], path: Path) -> tuple[list[dict], list[MethodSpec]]:
-    """What a ``--resume`` run keeps of a saved (possibly partial) ``results.json``: all its rows, and the specs of
+def _folder(spec: MethodSpec | dict) -> str | None:
+    path = spec.finetuned_from if isinstance(spec, MethodSpec) else spec.get("finetuned_from")
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def match_saved_labels(specs: list[MethodSpec], saved_specs: list[dict]) -> list[MethodSpec]:
+    """This run's specs with the row labels of a saved run: a ``finetuned:`` folder the saved run scored keeps its
+    saved label (labels of fine-tunes depend on which other fine-tunes a run lists), and a label the saved run
+    gave to another folder is renamed (``-2``, ...), so that saved rows are never taken for another model's."""
+    saved_label = {_folder(d): d["label"] for d in saved_specs if _folder(d) is not None}
+    saved_folder = {d["label"]: _folder(d) for d in saved_specs}
+    out = [replace(s, label=saved_label.get(_folder(s), s.label)) if s.finetuned_from else s for s in specs]
+    taken = {s.label for s in out} | set(saved_folder)
+    for i, s in enumerate(out):
+        if s.finetuned_from and s.label in saved_folder and saved_folder[s.label] != _folder(s):
+            base, n = s.label, 2
+            while f"{base}-{n}" in taken:
+                n += 1
+            out[i] = replace(s, label=f"{base}-{n}")
+            taken.add(out[i].label)
+    return out
+
+
+def resume_from(
+    cfg: EvalConfig, specs: list[MethodSpec], path: Path
+) -> tuple[list[dict], list[MethodSpec], list[MethodSpec]]:
+    """What a ``--resume`` run keeps of a saved (possibly partial) ``results.json``: all its rows, the specs of
     its method labels this run does not list (their configs, tasks and lengths are merged into ``cfg``, so the new
-    file holds both runs). ValueError if a run setting (:data:`RESUME_KEYS`) or the config of a label in both runs
-    differs."""
+    file holds both runs), and this run's specs relabelled as the saved run labelled them
+    (:func:`match_saved_labels`). ValueError if a run setting (:data:`RESUME_KEYS`) or the config of a label in both
+    runs differs."""
     saved = json.loads(path.read_text())
     old = saved.get("config", {})
+    specs = match_saved_labels(specs, old.get("method_specs", []))
     for key in RESUME_KEYS:
         if key in old and old[key] != getattr(cfg, key):
             raise ValueError(
@@ -459,7 +517,7 @@ def resume_from(cfg: EvalConfig, specs: list[MethodSpec], path: Path) -> tuple[l
             cfg.method_configs[spec.label] = saved_confs[spec.label]
     cfg.tasks = list(dict.fromkeys([*cfg.tasks, *old.get("tasks", [])]))
     cfg.lengths = list(dict.fromkeys([*cfg.lengths, *old.get("lengths", [])]))
-    return list(saved.get("rows", [])), extra
+    return list(saved.get("rows", [])), extra, specs
 
 
 def _write_results(out: Path, cfg: EvalConfig, specs: list[MethodSpec], rows: list[dict], world: int) -> dict:
@@ -497,7 +555,7 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
     kept: list[dict] = []
     written = specs  # the labels results.json holds: this run's, and with --resume the saved run's others
     if cfg.resume and (out / "results.json").is_file():
-        kept, extra = resume_from(cfg, specs, out / "results.json")
+        kept, extra, specs = resume_from(cfg, specs, out / "results.json")
         written = specs + extra  # kept as they are, not run
     sample_dir = out / "samples"
     sample_dir.mkdir(parents=True, exist_ok=True)

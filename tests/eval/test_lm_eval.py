@@ -286,11 +286,13 @@ def test_smollm2_cli_equals_hf_sparse_attn_eval(tmp_path):
         samples=samples,
         max_new_tokens=gen,
         out=str(tmp_path / "ours"),
+        method_configs={"bfla": {"min_seq_len": 3072}},  # 4k prompts run dense by default (min_seq_len 6144)
     )
     ours = {(r["task"], r["sample_id"]): r for r in run_eval(cfg)["rows"] if r["method"] == "bfla"}
     out = tmp_path / "lm"
     argv = [
-        "lm-eval", "--model", "hf-sparse-attn", "--model_args", "pretrained=smollm2,method=bfla,dtype=float32",
+        "lm-eval", "--model", "hf-sparse-attn",
+        "--model_args", "pretrained=smollm2,method=bfla,min_seq_len=3072,dtype=float32",
         "--tasks", "hfsa_niah_single_1", "--device", "cpu", "--batch_size", "1",
         "--metadata", json.dumps({"max_seq_lengths": [length], "num_samples": samples}),
         "--gen_kwargs", f"max_gen_toks={gen}", "--output_path", str(out), "--log_samples",

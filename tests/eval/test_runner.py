@@ -182,6 +182,37 @@ def test_resume_refuses_other_settings(tmp_path):
                       method_configs={"bfla": {"min_seq_len": 0, "keep_mass": 0.5}}, resume=True))
 
 
+def test_saved_samples_are_reused_only_for_the_settings_they_were_made_with(tmp_path, capsys):
+    first = run_eval(_cfg(tmp_path, tasks=["niah_single_1"], samples=1))
+    path = tmp_path / "out" / "samples" / "niah_single_1_2400.jsonl"
+    before = path.read_text()
+    again = run_eval(_cfg(tmp_path, tasks=["niah_single_1"], samples=1))  # same settings: the saved file is read
+    assert path.read_text() == before and again["rows"][0]["prediction"] == first["rows"][0]["prediction"]
+    assert "generating the samples" not in capsys.readouterr().out
+    res = run_eval(_cfg(tmp_path, tasks=["niah_single_1"], samples=2))  # not the 1 sample saved before
+    assert "was made with samples=1" in capsys.readouterr().out
+    assert len(res["rows"]) == 2
+    run_eval(_cfg(tmp_path, tasks=["niah_single_1"], samples=2, seed=7))
+    assert "was made with seed=42" in capsys.readouterr().out and path.read_text() != before
+
+
+def test_resume_keeps_the_saved_labels_of_fine_tune_folders(tmp_path):
+    from hf_sparse_attn.eval.runner import MethodSpec, match_saved_labels
+
+    a, b, c = (str(tmp_path / n / "entmax") for n in "abc")
+    saved = [{"label": "dense", "method": "dense", "finetuned_from": None, "spec": "dense"},
+             {"label": "entmax-ft", "method": "entmax", "finetuned_from": a, "spec": f"finetuned:{a}"}]
+    # a run listing a and b labels them by folder name (both "entmax"), the saved run called a "entmax-ft"
+    now = [MethodSpec("dense", "dense", None, "dense"),
+           MethodSpec("entmax-ft-entmax", "entmax", a, f"finetuned:{a}"),
+           MethodSpec("entmax-ft-entmax-2", "entmax", b, f"finetuned:{b}")]
+    got = {s.finetuned_from: s.label for s in match_saved_labels(now, saved)}
+    assert got == {None: "dense", a: "entmax-ft", b: "entmax-ft-entmax-2"}
+    # another folder c that this run alone would call "entmax-ft" must not take a's saved rows
+    got = match_saved_labels([MethodSpec("entmax-ft", "entmax", c, f"finetuned:{c}")], saved)
+    assert [s.label for s in got] == ["entmax-ft-2"]
+
+
 def test_aggregate_delta_and_speedup():
     rows = [
         dict(task="t", length=10, method="dense", sample_id=0, score=100.0, prefill_s=2.0, density=1.0),
