@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="default: torch's")
     ap.add_argument("--rows-per-block", type=int, default=None, help="bfla's estimate rows (default: its default)")
-    ap.add_argument("--head-lists", default="group", help="comma-separated head_lists settings to time")
+    ap.add_argument("--head-lists", default="auto", help="comma-separated head_lists settings to time")
     ap.add_argument("--min-run-blocks", default="", help="comma-separated MIN_RUN_BLOCKS settings of the CPU pass")
     args = ap.parse_args(argv)
     if args.threads:

@@ -577,10 +577,11 @@ def test_fused_cpu_estimate_equals_reference(b, hq, hkv, sq, skv, d, bs, r):
 
 
 @pytest.mark.parametrize("hq,hkv,mode,per_head", [(4, 1, "auto", True), (4, 2, "auto", False), (4, 1, "group", False),
-                                                   (4, 2, "head", True), (2, 2, "head", False), (4, 1, None, False)])
+                                                   (4, 2, "head", True), (2, 2, "head", False), (4, 1, None, True),
+                                                   (4, 2, None, False)])
 def test_head_lists_choice(hq, hkv, mode, per_head):
-    """``head_lists="auto"``: one list per query head only where one KV head serves every query head; the default
-    (None here) is one list per KV group."""
+    """``head_lists="auto"`` (the default, None here): one list per query head only where one KV head serves every
+    query head, else one list per KV group."""
     if mode is None:
         mode = bfla.BflaConfig().head_lists
     q, k, _ = _qkv(hq=hq, hkv=hkv)

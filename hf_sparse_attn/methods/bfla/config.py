@@ -84,16 +84,17 @@ class BflaConfig(MethodConfig):
       (1 thread) where the pooled gather pass took ≈ 1.0 s, and flex's first compile took 254 s without an
       inductor cache on disk (15 s with it), which a single prefill would pay.
 
-    * ``head_lists="group"``: which heads share one list of kept tiles. ``"group"``: one list per KV head, the union of
+    * ``head_lists="auto"``: which heads share one list of kept tiles. ``"group"``: one list per KV head, the union of
       its query heads' selections (K/V tiles are gathered once for the whole group); ``"head"``: one list per query head
       (K/V repeated per query head; each head keeps only its own blocks, at the price of more, smaller gathers on CPU);
-      ``"auto"``: ``"head"`` where one KV head serves every query head of the layer, else ``"group"``. Measured on a
-      RULER 8k prompt (``niah_single_2``, essay haystack), default selection: Gemma 3 270M's full-attention layers (4
-      query heads, 1 KV head) keep 1.00 / 1.00 / 0.72 of the tiles with the union and 0.74 / 0.75 / 0.47 per query head
-      (layers 5 / 11 / 17; the union takes every block any head wants); at 16k 1.00 / 1.00 / 0.60 vs 0.64 / 0.70 / 0.36.
-      SmolLM2 (9 / 3 heads): 0.69 → 0.53, 0.49 → 0.43, 0.36 → 0.25, 0.20 → 0.16 (layers 3 / 9 / 15 / 27). ``"group"``
-      stays the default until the RULER grids are rerun with per-head lists (their answers differ from the measured
-      ones: Gemma 3's layer 17 then runs sparse at 8k); the speed of per-head lists on SmolLM2 is not measured.
+      ``"auto"``: ``"head"`` where one KV head serves every query head of the layer (Gemma 3 270M's 4 / 1), else
+      ``"group"`` (SmolLM2, Llama, Qwen: unchanged). On a RULER 8k prompt Gemma 3 270M's full-attention layers keep
+      1.00 / 1.00 / 0.72 of the tiles with the union (it takes every block any head wants) and 0.74 / 0.75 / 0.47 per
+      query head (layers 5 / 11 / 17); at 16k 1.00 / 1.00 / 0.60 vs 0.64 / 0.70 / 0.36. RULER (4 NIAH tasks × 5
+      samples, 2026-12-03): per-head lists answer as dense on 20 of 20 samples at 8k and 18 of 20 at 16k (one
+      ``niah_multikey_1`` sample found a key dense missed), attended density of the full layers 0.75 / 0.59. Full
+      layers at 2 threads (``benchmarks/bfla_layer_times.py --model gemma3-270m``): 1.00× dense at 8k (0.92× with
+      the union, whose layer 17 runs sparse at 0.72 but loses), 1.11× at 16k (1.05×).
 
     Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
     this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
@@ -117,7 +118,7 @@ class BflaConfig(MethodConfig):
     backend: str = "auto"
     profile: str | None = None
     dense_density: float = 0.7
-    head_lists: str = "group"
+    head_lists: str = "auto"
 
     def validate(self) -> None:
         check_choice("block_size", self.block_size, (16, 32, 64, 128, 256))
