@@ -37,9 +37,10 @@ def summary_markdown(results: dict[str, Any]) -> str:
                 else:
                     cells.append(f"{_fmt(a['score'])} ({_fmt(a['delta_vs_dense'], '+.1f')})")
             lines.append(f"| {task} | " + " | ".join(cells) + " |")
-        avg, speed, dens, secs, sel = [], [], [], [], []
+        avg, speed, dens, secs, sel, same = [], [], [], [], [], []
         for m in methods:
             rows = [by[(t, length, m)] for t in tasks if (t, length, m) in by]
+            same.append(_agreement_cell(rows))
             score = _mean([a["score"] for a in rows])
             delta = _mean([a["delta_vs_dense"] for a in rows])
             avg.append(_fmt(score) if m == BASELINE else f"{_fmt(score)} ({_fmt(delta, '+.1f')})")
@@ -55,6 +56,8 @@ def summary_markdown(results: dict[str, Any]) -> str:
         ]
         if sel != dens:  # a dispatch rule sent some selections dense
             lines.append("| selected density | " + " | ".join(sel) + " |")
+        if any(c != "—" for c in same):
+            lines.append("| answers as dense (identical; scored below dense) | " + " | ".join(same) + " |")
         lines.append("")
     tuned = {a["method"]: a["finetuned_from"] for a in aggs if a.get("finetuned_from") is not None}
     for m, path in tuned.items():
@@ -66,9 +69,19 @@ def summary_markdown(results: dict[str, Any]) -> str:
         f"Scores 0–100 (mean over {min(n) if n else 0}–{max(n) if n else 0} samples per cell); "
         "Δ vs dense in parentheses; density = kept fraction of attention (1.0 for dense; a layer the "
         "`dense_density` rule ran densely counts 1.0, the plan's own fraction is the selected density row, shown "
-        "where it differs)."
+        "where it differs); answers as dense = samples whose generated text equals dense's on the same prompt, and "
+        "samples that scored below dense's answer."
     )
     return "\n".join(lines) + "\n"
+
+
+def _agreement_cell(rows: list[dict[str, Any]]) -> str:
+    """``"25/30 identical; 0 below"`` over the cells of one method at one length; "—" without paired dense rows."""
+    rows = [a for a in rows if a.get("paired")]
+    if not rows:
+        return "—"
+    n = sum(a["paired"] for a in rows)
+    return f"{sum(a['same_answer'] for a in rows)}/{n} identical; {sum(a['below_dense'] for a in rows)} below"
 
 
 def _mean(xs):

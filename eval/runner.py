@@ -410,8 +410,24 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _agreement_with_dense(rs: list[dict], base: list[dict]) -> dict[str, int | None]:
+    """Per-sample agreement of one cell's rows with dense's rows of the same samples: ``same_answer`` (predictions
+    equal as strings), ``below_dense`` (scored lower than dense did), ``paired`` (samples both ran); None without a
+    dense row for any of them."""
+    dense = {r["sample_id"]: r for r in base}
+    pairs = [(r, dense[r["sample_id"]]) for r in rs if r["sample_id"] in dense and "prediction" in r]
+    if not pairs:
+        return {"paired": None, "same_answer": None, "below_dense": None}
+    return {
+        "paired": len(pairs),
+        "same_answer": sum(r["prediction"] == d.get("prediction") for r, d in pairs),
+        "below_dense": sum(r["score"] < d["score"] for r, d in pairs),
+    }
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
-    """One entry per (task, length, method): mean score, n, Δ score and prefill speed-up vs dense, density."""
+    """One entry per (task, length, method): mean score, n, Δ score and prefill speed-up vs dense, density, and
+    per-sample agreement with dense (:func:`_agreement_with_dense`)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["task"], r["length"], r["method"])].append(r)
@@ -431,6 +447,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             "prefill_s": t,
             "density": _mean([r["density"] for r in rs]),
             "selected_density": _mean([r.get("selected_density") for r in rs]),
+            **(_agreement_with_dense(rs, base) if method != BASELINE else {}),
         }
         if rs[0].get("finetuned_from") is not None:
             entry["finetuned_from"] = rs[0]["finetuned_from"]

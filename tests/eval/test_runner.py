@@ -223,6 +223,27 @@ def test_aggregate_delta_and_speedup():
     assert a["m"]["prefill_speedup_vs_dense"] == 2.0 and a["m"]["density"] == 0.5
 
 
+def test_aggregate_counts_the_samples_that_answer_as_dense():
+    """Per cell: how many samples give dense's exact text and how many score below dense (paired by sample id; a
+    sample dense did not run is left out)."""
+    def row(method, sid, pred, score):
+        return dict(task="t", length=10, method=method, sample_id=sid, prediction=pred, score=score, prefill_s=1.0,
+                    density=1.0)
+
+    rows = [row("dense", 0, "42", 100.0), row("dense", 1, "7", 0.0), row("dense", 2, "a b", 50.0),
+            row("m", 0, "42", 100.0), row("m", 1, "8", 100.0), row("m", 2, "a c", 0.0), row("m", 3, "x", 0.0)]
+    a = {x["method"]: x for x in aggregate(rows)}
+    assert (a["m"]["paired"], a["m"]["same_answer"], a["m"]["below_dense"]) == (3, 1, 1)
+    assert "same_answer" not in a["dense"]
+    from hf_sparse_attn.eval.report import summary_markdown
+
+    text = summary_markdown({"config": {"model": "x"}, "aggregates": aggregate(rows)})
+    assert "| answers as dense (identical; scored below dense) | — | 1/3 identical; 1 below |" in text
+    no_dense = aggregate([r for r in rows if r["method"] == "m"])
+    assert no_dense[0]["paired"] is None
+    assert "| answers as dense" not in summary_markdown({"config": {"model": "x"}, "aggregates": no_dense})
+
+
 def test_accelerate_two_processes_match_one(tmp_path):
     common = [
         "--model",
