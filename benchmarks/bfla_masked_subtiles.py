@@ -2,7 +2,7 @@
 real Q/K (an essay-haystack RULER prompt captured from the model), counted in Python without a GPU.
 
 The forward masks a sub-tile only when it hides a (query, key) pair (``kernels/bfla_fwd._sub_tile_is_partial``:
-the causal diagonal or the sequence end; no window or padding here); before 2026-12-02 it masked every one.
+the causal diagonal or the sequence end; no window or padding here); before 2026-12-03 it masked every one.
 
     .venv/bin/python benchmarks/bfla_masked_subtiles.py --length 8192 --layers 3,15,27
 """
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_sparse_attn.bench import capture_qkv
     from hf_sparse_attn.kernels.bfla_fwd import fwd_tiles
     from hf_sparse_attn.methods import bfla
-    from hf_sparse_attn.methods.bfla.dispatch import _keys_for_lists, make_plan
+    from hf_sparse_attn.methods.bfla.dispatch import make_plan
     from hf_sparse_attn.models import load
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     caps = capture_qkv(model.eval(), tok, args.length, [int(x) for x in args.layers.split(",")])
     cfg = bfla.BflaConfig()
     for layer, (q, k, _, scale) in sorted(caps.items()):
-        k_l = _keys_for_lists(q, k, cfg)
-        plan = make_plan(q, k_l, scale=scale, config=cfg)
+        plan = make_plan(q, k, scale=scale, config=cfg)  # repeats K itself where the lists are per query head
         group = q.shape[1] // plan.counts.shape[1]
         bm, bn, _ = fwd_tiles(group, plan.block_size, q.shape[-1], on_cuda=True)
         visited, masked = count_masked(plan, q.shape[2], k.shape[2], bm, bn)

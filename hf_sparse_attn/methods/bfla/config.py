@@ -90,11 +90,11 @@ class BflaConfig(MethodConfig):
       ``"auto"``: ``"head"`` where one KV head serves every query head of the layer (Gemma 3 270M's 4 / 1), else
       ``"group"`` (SmolLM2, Llama, Qwen: unchanged). On a RULER 8k prompt Gemma 3 270M's full-attention layers keep
       1.00 / 1.00 / 0.72 of the tiles with the union (it takes every block any head wants) and 0.74 / 0.75 / 0.47 per
-      query head (layers 5 / 11 / 17); at 16k 1.00 / 1.00 / 0.60 vs 0.64 / 0.70 / 0.36. RULER (4 NIAH tasks × 5
-      samples, 2026-12-03): per-head lists answer as dense on 20 of 20 samples at 8k and 18 of 20 at 16k (one
-      ``niah_multikey_1`` sample found a key dense missed), attended density of the full layers 0.75 / 0.59. Full
-      layers at 2 threads (``benchmarks/bfla_layer_times.py --model gemma3-270m``): 1.00× dense at 8k (0.92× with
-      the union, whose layer 17 runs sparse at 0.72 but loses), 1.11× at 16k (1.05×).
+      query head (layers 5 / 11 / 17); at 16k 1.00 / 1.00 / 0.60 vs 0.64 / 0.70 / 0.36. RULER six-task grid (5
+      samples per task, 2026-12-03): per-head lists score 48.8 vs dense 48.5 at 8k and 40.3 vs 36.7 at 16k, no sample
+      below dense, full-layer density 0.70 / 0.54 attended. Full layers at 2 threads on an essay capture
+      (``benchmarks/bfla_layer_times.py --model gemma3-270m``): 1.00× dense at 8k (0.92× with the union, every layer
+      of which pays its plan and runs dense by the rule), 1.11× at 16k (1.05×). ``benchmarks/RESULTS.md``, 2026-12-03.
 
     Other keys: ``min_blocks`` (at least this many estimated-top key blocks per row), ``max_density`` (at most
     this fraction of a row's causal blocks by estimate; rescues come on top), ``antidiag_stride`` (stride of the
