@@ -217,6 +217,25 @@ def test_reload_lora_entmax(tmp_path, fresh_accelerate):
     assert not torch.equal(_logits(bare.eval(), probe), ref)
 
 
+def test_save_every_writes_the_state_after_that_step(tmp_path, fresh_accelerate):
+    """``--save-every 2`` of a 4-step run writes ``step-2`` (not ``step-4``: that is the final folder), and it holds
+    exactly what a 2-step run with the same seed and a constant learning rate ends with."""
+    _require("entmax")
+    common = ("--method", "entmax", "--learn-alpha", "--lr", "3e-3", "--lr-schedule", "constant", "--no-eval-dense")
+    _, out4 = _run(tmp_path, *common, "--steps", "4", "--save-every", "2", name="four")
+    result2, out2 = _run(tmp_path, *common, "--steps", "2", name="two")
+    assert sorted(p.name for p in out4.glob("step-*")) == ["step-2"]
+    probe = torch.stack([c.input_ids for c in result2.eval[:2]])
+    at_two, _, _ = load_finetuned(out4 / "step-2")
+    two, _, _ = load_finetuned(out2)
+    final, _, _ = load_finetuned(out4)
+    assert torch.equal(_logits(at_two, probe), _logits(two, probe))
+    assert not torch.equal(_logits(at_two, probe), _logits(final, probe))  # steps 3-4 moved the weights
+    assert json.loads((out4 / "step-2" / "metrics.json").read_text())["steps_done"] == 2
+    with pytest.raises(ValueError, match="--save-every must be >= 0"):
+        _run(tmp_path, "--method", "dense", "--save-every", "-1", name="bad")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # bfla trains; α annealing; text / JSONL data
 # ---------------------------------------------------------------------------------------------------------------

@@ -207,8 +207,21 @@ def _over_time_budget(s: _Session, t_start: float) -> bool:
     return float(s.accelerator.reduce(over, reduction="sum")) > 0
 
 
+def _save_checkpoint(s: _Session, out: Path) -> None:
+    """``--save-every``: the run so far as a folder :func:`load_finetuned` reads (no held-out evaluation; the
+    metrics hold the steps so far). Every process calls it (FSDP gathers the state)."""
+    if s.accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+    s.accelerator.wait_for_everyone()
+    save_model(s.accelerator, s.model, s.handle, s.tokenizer, s.args, out)
+    metrics = {**s.metrics, "steps_done": len(s.metrics["steps"])}
+    write_run_files(s.accelerator, s.model, s.handle, s.args, metrics, len(s.train), len(s.held), out)
+    s.log(f"wrote {out}")
+    s.accelerator.wait_for_everyone()
+
+
 def _train(s: _Session) -> None:
-    """The optimizer steps: α annealing (``--alpha-anneal-steps``), logging, the time budget."""
+    """The optimizer steps: α annealing (``--alpha-anneal-steps``), logging, ``--save-every``, the time budget."""
     from tqdm.auto import tqdm
 
     args, accelerator = s.args, s.accelerator
@@ -235,6 +248,8 @@ def _train(s: _Session) -> None:
             extra = f" alpha {summary['mean']:.4f}" if summary else ""
             s.log(f"step {step + 1}/{args.steps} loss {entry['loss']:.4f} lr {entry['lr']:.3e}{extra} "
                   f"({entry['seconds']:.2f}s)")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            _save_checkpoint(s, Path(args.output_dir) / f"step-{step + 1}")
         if args.time_budget_minutes is not None and step + 1 < args.steps and _over_time_budget(s, t_start):
             s.metrics["stopped_by_time_budget_after_step"] = step + 1
             s.log(f"time budget of {args.time_budget_minutes} min reached after step {step + 1}")

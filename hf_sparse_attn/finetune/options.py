@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-dir", required=True)
     g.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     g.add_argument("--no-eval-dense", action="store_true", help="skip the dense (unpatched) held-out evaluation")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="also save the run every N optimizer steps to OUTPUT_DIR/step-<N> (loadable like the final "
+                        "folder, e.g. for a score-vs-steps curve); 0: only the final folder")
     g.add_argument("--no-save-model", action="store_true",
                    help="do not write model weights (the method parameters and metrics are still written)")
     g.add_argument("--log-every", type=int, default=1, help="print a log line every N steps (main process)")
@@ -131,6 +134,8 @@ def validate(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "grad_accum", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0 (0: only the final folder), got {args.save_every}")
     if args.alpha_anneal_steps < 0 or args.warmup_steps < 0:
         raise ValueError("--alpha-anneal-steps and --warmup-steps must be >= 0")
     if not 0.0 < args.eval_fraction < 1.0:
