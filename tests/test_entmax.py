@@ -200,6 +200,17 @@ def test_tau_newton_on_the_norm_form_converges_in_few_updates(alpha):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("e", [0.0, 1.0, 2.0, 3.0, 4.0, 7.0, 8.0, 9.0, 2.5])
+def test_pow_support_integer_exponents_by_multiplication(e):
+    # integer exponents (e = 4 / e - 1 = 3 at α = 1.25) are multiplied out; 9 and 2.5 take the exp2/log2 form;
+    # all give d^e on the support, exact zeros off it (also for e = 0), and a new tensor
+    d = torch.rand(4, 257).mul_(3).sub_(1).clamp_(min=0)
+    p = tiles_cpu._pow_support(d, e)
+    ref = torch.where(d > 0, d.double().pow(e), 0.0)
+    assert p.data_ptr() != d.data_ptr() and torch.equal(p == 0, d == 0)
+    assert torch.allclose(p.double(), ref, rtol=2e-6, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_compute_in_fp32(dtype):
     q, k, v = _qkv(1, 4, 2, 9, 9, 16, dtype=dtype, std=2.0)
