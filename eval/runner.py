@@ -134,6 +134,20 @@ def read_finetune_folder(path: str, model: str) -> dict[str, Any]:
     return config
 
 
+def _distinct_folder_names(paths: list[str]) -> dict[str, str]:
+    """Each path's shortest trailing part of its resolved path (parts joined by ``-``) that no other path of
+    ``paths`` ends with: ``runs/a/entmax`` and ``runs/b/entmax`` -> ``a-entmax`` and ``b-entmax``; ``x/full`` and
+    ``x/lora`` -> ``full`` and ``lora``."""
+    parts = {p: Path(p).expanduser().resolve().parts[1:] or ("root",) for p in paths}
+    out = {}
+    for p, mine in parts.items():
+        n = 1
+        while n < len(mine) and any(q != p and theirs[-n:] == mine[-n:] for q, theirs in parts.items()):
+            n += 1
+        out[p] = "-".join(mine[-n:])
+    return out
+
+
 def method_specs(cfg: EvalConfig) -> list[MethodSpec]:
     """Parse and check ``cfg.methods`` (needs no model): unknown methods, fine-tune folders, unique labels."""
     from hf_sparse_attn import list_methods
@@ -163,14 +177,15 @@ def method_specs(cfg: EvalConfig) -> list[MethodSpec]:
                 f"(or {FINETUNED}PATH for a fine-tuned output folder)"
             )
     tuned = [method for _, method, path in entries if path is not None]
+    names = _distinct_folder_names([path for _, _, path in entries if path is not None])
     taken = {method for _, method, path in entries if path is None}
     specs = []
     for m, method, path in entries:
         label = m if VARIANT in m else method
         if path is not None:
             label = f"{method}-ft"
-            if tuned.count(method) > 1:  # several fine-tunes of one method: name them by their folder
-                label += "-" + (Path(path).expanduser().resolve().name or "root")
+            if tuned.count(method) > 1:  # several fine-tunes of one method: name them by their folders
+                label += "-" + names[path]
             base, i = label, 2
             while label in taken:
                 label, i = f"{base}-{i}", i + 1

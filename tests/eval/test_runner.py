@@ -196,6 +196,18 @@ def test_saved_samples_are_reused_only_for_the_settings_they_were_made_with(tmp_
     assert "was made with seed=42" in capsys.readouterr().out and path.read_text() != before
 
 
+def test_fine_tunes_of_one_method_are_labelled_by_the_path_parts_that_tell_them_apart(tmp_path):
+    from hf_sparse_attn.eval.runner import method_specs
+
+    folders = [tmp_path / "pilot" / "dense", tmp_path / "r2k" / "dense", tmp_path / "r2k" / "asentmax"]
+    for f in folders:
+        (f / "hf_sparse_attn").mkdir(parents=True)
+        method = f.name
+        (f / "finetune_config.json").write_text(json.dumps({"method": method, "args": {"model": "tiny-llama"}}))
+    specs = method_specs(_cfg(tmp_path, methods=["dense", *(f"finetuned:{f}" for f in folders)]))
+    assert [s.label for s in specs] == ["dense", "dense-ft-pilot-dense", "dense-ft-r2k-dense", "asentmax-ft"]
+
+
 def test_resume_keeps_the_saved_labels_of_fine_tune_folders(tmp_path):
     from hf_sparse_attn.eval.runner import MethodSpec, match_saved_labels
 
