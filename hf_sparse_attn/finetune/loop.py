@@ -207,17 +207,21 @@ def _over_time_budget(s: _Session, t_start: float) -> bool:
     return float(s.accelerator.reduce(over, reduction="sum")) > 0
 
 
-def _save_checkpoint(s: _Session, out: Path) -> None:
-    """``--save-every``: the run so far as a folder :func:`load_finetuned` reads (no held-out evaluation; the
-    metrics hold the steps so far). Every process calls it (FSDP gathers the state)."""
+def _write_folder(s: _Session, out: Path, metrics: dict[str, Any]) -> None:
+    """The output folder ``out`` (model or adapter, method parameters, config, ``metrics``) that
+    :func:`load_finetuned` reads. Every process calls it (FSDP gathers the state)."""
     if s.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     s.accelerator.wait_for_everyone()
     save_model(s.accelerator, s.model, s.handle, s.tokenizer, s.args, out)
-    metrics = {**s.metrics, "steps_done": len(s.metrics["steps"])}
     write_run_files(s.accelerator, s.model, s.handle, s.args, metrics, len(s.train), len(s.held), out)
     s.log(f"wrote {out}")
     s.accelerator.wait_for_everyone()
+
+
+def _save_checkpoint(s: _Session, out: Path) -> None:
+    """``--save-every``: the run so far (no held-out evaluation; the metrics hold the steps so far)."""
+    _write_folder(s, out, {**s.metrics, "steps_done": len(s.metrics["steps"])})
 
 
 def _train(s: _Session) -> None:
@@ -261,18 +265,11 @@ def _train(s: _Session) -> None:
 
 def _finish(s: _Session, out: Path) -> None:
     """End-of-training held-out loss, final method parameters, and the output folder."""
-    accelerator = s.accelerator
     s.evaluate_all(s.eval_model, "after", even=s.fsdp)
     s.metrics["alpha_after"] = alpha_values(s.handle)
     s.metrics["method_params_after"] = method_param_values(s.handle)
     s.model.eval()
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    save_model(accelerator, s.model, s.handle, s.tokenizer, s.args, out)
-    write_run_files(accelerator, s.model, s.handle, s.args, s.metrics, len(s.train), len(s.held), out)
-    s.log(f"wrote {out}")
-    accelerator.wait_for_everyone()
+    _write_folder(s, out, s.metrics)
 
 
 def run(args: argparse.Namespace) -> FinetuneResult:
