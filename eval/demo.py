@@ -3,9 +3,10 @@
 A few RULER tasks at two lengths, a handful of samples each (about ten minutes on a 2-core CPU). Prints the
 summary table and writes ``results.json``, ``summary.md`` and the plots into ``--out``.
 
-Zero-shot entmax on a softmax-trained model loses retrieval. When a fine-tune of the demo's model exists in
-``--finetuned`` (default :data:`FINETUNED`, what ``make finetune-demo`` writes), its row (``entmax-ft``) replaces
-the zero-shot ``entmax`` row of the default method list.
+Zero-shot entmax on a softmax-trained model loses retrieval, so the default method list shows a fine-tuned sparse
+model instead: the fine-tune in ``--finetuned`` (default :data:`FINETUNED`, the retrieval recipe's α-1.25 asentmax
+fine-tune of SmolLM2 shipped with the package; ``make finetune-demo`` reproduces it) replaces the zero-shot
+``entmax`` row (its row is ``asentmax-ft``). ``--finetuned ''`` keeps zero-shot entmax.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ DEFAULTS = dict(
     samples="2",
     max_new_tokens="32",  # the answers are short (a number, five variable names)
 )
-FINETUNED = "runs/retrieval_demo/entmax"  # `make finetune-demo`: the retrieval recipe's entmax fine-tune
+# the retrieval recipe's asentmax fine-tune of SmolLM2 (LoRA adapter + method parameters; its README says how it was
+# made and what it scores); `make finetune-demo` writes the same recipe's run to runs/retrieval_demo/asentmax
+FINETUNED = str(Path(__file__).resolve().parent / "finetunes" / "smollm2-asentmax-retrieval")
 
 
 def with_finetune(methods: list[str], folder: str, model: str) -> list[str]:
@@ -31,16 +34,18 @@ def with_finetune(methods: list[str], folder: str, model: str) -> list[str]:
     ``model`` (else unchanged, saying why once)."""
     if "entmax" not in methods or not folder:
         return methods
-    config = Path(folder) / "finetune_config.json"
-    if not config.is_file():
+    config_file = Path(folder) / "finetune_config.json"
+    if not config_file.is_file():
         print(f"demo: no fine-tune in {folder}: the entmax row is zero-shot entmax on the softmax-trained model "
               "(it loses retrieval); `make finetune-demo` makes one")
         return methods
-    tuned_from = json.loads(config.read_text())["args"]["model"]
+    config = json.loads(config_file.read_text())
+    tuned_from, method = config["args"]["model"], config["method"]
     if tuned_from != model:
         print(f"demo: the fine-tune in {folder} is of {tuned_from!r}, not {model!r}: the entmax row stays zero-shot")
         return methods
-    print(f"demo: the entmax row is the fine-tune in {folder} (entmax-ft); --finetuned '' for zero-shot entmax")
+    print(f"demo: the sparse row is the {method} fine-tune in {folder} (row {method}-ft) instead of zero-shot "
+          "entmax; --finetuned '' for zero-shot entmax")
     return [f"finetuned:{folder}" if m == "entmax" else m for m in methods]
 
 
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="demo_out")
     p.add_argument("--finetuned", default=FINETUNED,
                    help="a `finetune` output folder whose row replaces zero-shot entmax in the default --methods "
-                        "when it exists ('' = never)")
+                        "when it holds a fine-tune of --model (default: the shipped asentmax fine-tune of SmolLM2; "
+                        "'' = never)")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", default=v)
     args, extra = p.parse_known_args(argv)

