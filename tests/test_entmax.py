@@ -106,14 +106,17 @@ CASES = [
 
 def _force_path(monkeypatch, path: str) -> None:
     """``lists``: the entry lists (forward) and the per-pair backward; ``dense``: every forward chunk of general α
-    and every backward tile chunk on dense tiles; ``rows``: the backward on dense row chunks (:mod:`dense_cpu`)."""
+    (τ by Newton on the dense rows) and every backward tile chunk on dense tiles; ``dense_lists``: the same, but τ
+    of the dense rows by Newton on the entries above the lower bound; ``rows``: the backward on dense row chunks
+    (:mod:`dense_cpu`)."""
     monkeypatch.setattr(dense_cpu, "DENSE_ROWS", -1.0 if path == "rows" else 2.0)
-    if path == "dense":
+    if path in ("dense", "dense_lists"):
         monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)
         monkeypatch.setattr(tiles_cpu, "_DENSE_ENTRIES", -1.0)
+        monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", 2.0 if path == "dense_lists" else -1.0)
 
 
-PATHS = ["lists", "dense", "rows"]
+PATHS = ["lists", "dense", "dense_lists", "rows"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -169,6 +172,30 @@ def test_blockwise_fp32_paths(alpha, std):
     out = E.entmax_attention(q, k, v, None, alpha=alpha)
     ref = E.entmax_attention_reference(q.double(), k.double(), v.double(), None, alpha=alpha)
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("list_entries", [-1.0, 2.0])
+def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(monkeypatch, list_entries):
+    """τ of dense rows (general α): Newton on the full rows (-1) or on the entries above the lower bound only (2.0,
+    what rows with a small support spread over many key tiles take): the same root."""
+    alpha = 1.25
+    em1 = 1.0 / (alpha - 1.0) - 1.0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 300, generator=g, dtype=F64) * 0.3
+    x[::3, 200:] = float("-inf")  # masked keys
+    x = x - x.amax(-1, keepdim=True)  # relative to the row max, as in the forward
+    hi = -torch.isfinite(x).sum(-1).to(F64).pow(-(alpha - 1.0))
+    live = torch.ones(48, dtype=torch.bool)
+    tau0 = torch.full((48,), -1.0, dtype=F64)  # a lower bound: the row max alone gives Σ [x - τ]_+^e >= 1
+    seen = []
+    newton = tiles_cpu._tau_newton
+    monkeypatch.setattr(tiles_cpu, "_tau_newton", lambda x, row, *a: seen.append(row is None) or newton(x, row, *a))
+    monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", list_entries)
+    tau, updates = tiles_cpu._tau_dense_rows(x, tau0, hi, live, em1, F64)
+    assert seen == [list_entries < 0] and updates >= 2
+    ref = newton(x, None, 48, tau0, hi, live, em1, F64)[0]
+    assert (tau - ref).abs().max() < 1e-12
+    assert ((x - tau[:, None]).clamp(min=0).pow(1 / (alpha - 1)).sum(-1) - 1).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])

@@ -53,6 +53,7 @@ _ENTRY_SLICE = 1 << 13  # support entries per backward task
 _NARROW = 16  # sorted entries per row the closed form looks at first
 _DENSE_PAIRS = 0.25  # general α: a forward chunk with more candidate (row, key tile) pairs than this works densely
 _INT_POW_MAX = 8  # _pow_support: integer exponents up to this by multiplication (≤ 4 multiplications)
+_LIST_ENTRIES = 0.125  # general α, dense rows: τ by Newton on the entries above τ₀ where they are at most this few
 _DENSE_ENTRIES = 0.125  # a backward chunk of tiles with more support entries than this works on dense tiles
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
 _TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
@@ -302,6 +303,19 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
     return tau, it, err
 
 
+def _tau_dense_rows(x: torch.Tensor, tau: torch.Tensor, hi: torch.Tensor, live: torch.Tensor, em1, ct):
+    """τ (R,) of dense rows ``x`` (R, W) (relative to the row max, -inf masked) by Newton from the lower bound
+    ``tau``, and the number of updates. Newton needs only the entries above a lower bound: where they are few (at
+    most ``_LIST_ENTRIES`` of the matrix: rows whose support is small but spread over many key tiles) it runs on
+    that list, else (near-softmax rows) on the dense rows."""
+    above = x > tau.unsqueeze(-1)
+    if int(above.sum()) > _LIST_ENTRIES * above.numel():
+        return _tau_newton(x, None, x.shape[0], tau, hi, live, em1, ct)[:2]
+    ent = _flat_nonzero(above)
+    row = torch.div(ent, x.shape[1], rounding_mode="floor")
+    return _tau_newton(x.view(-1)[ent], row, x.shape[0], tau, hi, live, em1, ct)[:2]
+
+
 def _probs_of(d: torch.Tensor, mode: int, e):
     """p = d^e for d = [s - τ]_+ >= 0 (e = 1/(α-1); float or per entry)."""
     if mode == 1:
@@ -436,16 +450,17 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         if not mode and int(cand.sum()) > _DENSE_PAIRS * cand.numel():
             # 3'.-5'. near-softmax rows (α close to 1, flat scores): τ, p and the output on the dense scores
             x = s.view(n_rows, span).sub_(top.unsqueeze(-1))  # relative to the row max; -inf stays masked
-            rel, updates, _ = _tau_newton(x, None, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
+            rel, updates = _tau_dense_rows(x, torch.minimum(rel0, hi), hi, live_r, em1, ct)
             e = 1.0 / am1_r
             d = x.sub_(rel.unsqueeze(-1)).clamp_(min=0)
             p = _pow_support(d, e.unsqueeze(-1) if isinstance(e, torch.Tensor) else e)
-            nz = p > 0
             total = p.sum(-1)
             o = torch.matmul(p.view(b, hkv, rep * cc, span), vpad[:, :, kb:ke]).view(n_rows, dh)
-            sizes = nz.sum(-1) if want_stats or keep_support else None
+            nz = p > 0 if want_stats or keep_support else None
+            sizes = nz.sum(-1) if nz is not None else None
             cnt = sizes.float() if want_stats else None
-            nz_tiles = nz.view(-1, bm, nt, TILE).any(-1).any(1).view(-1)
+            # a key tile holds a weight > 0 iff its maximum lies above τ (the tile maxima need no pass over p)
+            nz_tiles = (tmax - top.unsqueeze(-1) > rel.unsqueeze(-1)).view(-1, bm, nt).any(1).view(-1)
             if keep_support:  # list the rows whose support fits a list (near α = 1 hardly any)
                 over = sizes > SUPPORT_KEYS
                 fit = (~over).nonzero().squeeze(1)
