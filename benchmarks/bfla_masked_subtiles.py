@@ -1,7 +1,7 @@
 """How many (query sub-block, key sub-tile) steps of bfla's Triton forward apply the visibility mask, on a plan of
 real Q/K (an essay-haystack RULER prompt captured from the model), counted in Python without a GPU.
 
-The forward masks a sub-tile only when it hides a (query, key) pair (``hf_sparse_attn/kernels/bfla_fwd._sub_tile_is_partial``:
+The forward masks a sub-tile only when it hides a (query, key) pair (``kernels.bfla_fwd._sub_tile_is_partial``:
 the causal diagonal or the sequence end; no window or padding here); before 2026-12-03 it masked every one.
 
     .venv/bin/python benchmarks/bfla_masked_subtiles.py --length 8192 --layers 3,15,27
