@@ -176,26 +176,34 @@ def test_blockwise_fp32_paths(alpha, std):
 
 @pytest.mark.parametrize("list_entries", [-1.0, 2.0])
 def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(monkeypatch, list_entries):
-    """τ of dense rows (general α): Newton on the full rows (-1) or on the entries above the lower bound only (2.0,
-    what rows with a small support spread over many key tiles take): the same root."""
+    """τ and p of dense rows (general α): Newton on the full rows (-1) or on the entries above the lower bound only
+    (2.0, what rows with a small support spread over many key tiles take; p as the support's entries): the same
+    root, the same probabilities, every row summing to 1."""
     alpha = 1.25
     em1 = 1.0 / (alpha - 1.0) - 1.0
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(48, 300, generator=g, dtype=F64) * 0.3
-    x[::3, 200:] = float("-inf")  # masked keys
-    x = x - x.amax(-1, keepdim=True)  # relative to the row max, as in the forward
-    hi = -torch.isfinite(x).sum(-1).to(F64).pow(-(alpha - 1.0))
+    s = torch.randn(48, 300, generator=g, dtype=F64) * 0.3 + 2.0
+    s[::3, 200:] = float("-inf")  # masked keys
+    top = s.amax(-1)
+    hi = -torch.isfinite(s).sum(-1).to(F64).pow(-(alpha - 1.0))
     live = torch.ones(48, dtype=torch.bool)
     tau0 = torch.full((48,), -1.0, dtype=F64)  # a lower bound: the row max alone gives Σ [x - τ]_+^e >= 1
     seen = []
     newton = tiles_cpu._tau_newton
     monkeypatch.setattr(tiles_cpu, "_tau_newton", lambda x, row, *a: seen.append(row is None) or newton(x, row, *a))
     monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", list_entries)
-    tau, updates = tiles_cpu._tau_dense_rows(x, tau0, hi, live, em1, F64)
-    assert seen == [list_entries < 0] and updates >= 2
+    x = s - top[:, None]
+    total, tau, updates, p, listed = tiles_cpu._dense_rows_probs(s.clone(), top, top + tau0, tau0, hi, live, em1, F64)
+    assert seen == [list_entries < 0] and updates >= 2 and (listed is None) == (list_entries < 0)
     ref = newton(x, None, 48, tau0, hi, live, em1, F64)[0]
     assert (tau - ref).abs().max() < 1e-12
-    assert ((x - tau[:, None]).clamp(min=0).pow(1 / (alpha - 1)).sum(-1) - 1).abs().max() < 1e-12
+    ref_p = (x - ref[:, None]).clamp(min=0).pow(1 / (alpha - 1))
+    assert (total - 1).abs().max() < 1e-12 and (ref_p.sum(-1) - 1).abs().max() < 1e-12
+    if listed is not None:  # the support's entries, grouped by row
+        row, col, vals = listed
+        p = torch.zeros_like(ref_p).index_put_((row, col), vals)
+        assert torch.equal(p > 0, ref_p > 0) and bool((row[1:] >= row[:-1]).all())
+    assert (p - ref_p).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
