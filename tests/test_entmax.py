@@ -143,6 +143,31 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path):
         assert (a - r).abs().max() < 1e-9
 
 
+@pytest.mark.parametrize("alpha", [1.25, 1.1])
+def test_dense_chunks_with_flat_and_peaked_kv_heads_equal_the_reference(monkeypatch, alpha):
+    """A dense forward chunk whose KV heads differ (one flat: τ on its dense rows; one peaked: τ on the list of its
+    entries above the bound), fp64, with gradients (the support lists of both kinds of rows): equal to the
+    reference."""
+    monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)  # every chunk takes the dense branch
+    monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", 0.3)
+    monkeypatch.setattr(tiles_cpu, "TILE", 4)
+    monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 3)
+    solved = []
+    dense_rows_probs = tiles_cpu._dense_rows_probs
+    monkeypatch.setattr(tiles_cpu, "_dense_rows_probs",
+                        lambda *a: (lambda r: solved.append((r[3] is None, r[4] is None)) or r)(dense_rows_probs(*a)))
+    q, k, v = _qkv(1, 4, 2, 40, 40, dtype=F64)
+    q = (q * torch.tensor([0.01, 0.01, 8.0, 8.0], dtype=F64)[None, :, None, None]).requires_grad_()
+    k.requires_grad_(), v.requires_grad_()
+    out = E.entmax_attention(q, k, v, None, alpha=alpha, scale=0.8)
+    ref = E.entmax_attention_reference(q, k, v, None, alpha=alpha, scale=0.8)
+    assert (False, False) in solved  # some chunk solved one KV head on its rows and the other on a list
+    assert (out - ref).abs().max() < 1e-10
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
+        assert (a - r).abs().max() < 1e-9
+
+
 @pytest.mark.parametrize("path", ["lists", "rows"])
 def test_threaded_backward_is_bit_identical_run_to_run(monkeypatch, path):
     """Work split over worker threads never changes a sum's order: two runs give the same bits (fp32)."""
@@ -174,15 +199,18 @@ def test_blockwise_fp32_paths(alpha, std):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("list_entries", [-1.0, 2.0])
+@pytest.mark.parametrize("list_entries", [-1.0, 2.0, 0.5])
 def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(monkeypatch, list_entries):
-    """τ and p of dense rows (general α): Newton on the full rows (-1) or on the entries above the lower bound only
-    (2.0, what rows with a small support spread over many key tiles take; p as the support's entries): the same
-    root, the same probabilities, every row summing to 1."""
+    """τ and p of dense rows (general α), three groups of 16 rows: Newton on the full rows of every group (-1), on
+    the entries above the lower bound only (2.0, what a small support spread over many key tiles takes; p as the
+    support's entries), or each group its own way (0.5: a flat group on its rows, two peaked ones on their lists):
+    the same root, the same probabilities, every row summing to 1."""
     alpha = 1.25
     em1 = 1.0 / (alpha - 1.0) - 1.0
     g = torch.Generator().manual_seed(0)
     s = torch.randn(48, 300, generator=g, dtype=F64) * 0.3 + 2.0
+    s[:16] *= 0.01  # a flat group: every entry above the bound
+    s[16:] *= 10.0  # peaked groups: few entries above it
     s[::3, 200:] = float("-inf")  # masked keys
     top = s.amax(-1)
     hi = -torch.isfinite(s).sum(-1).to(F64).pow(-(alpha - 1.0))
@@ -192,18 +220,36 @@ def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(
     newton = tiles_cpu._tau_newton
     monkeypatch.setattr(tiles_cpu, "_tau_newton", lambda x, row, *a: seen.append(row is None) or newton(x, row, *a))
     monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", list_entries)
+    monkeypatch.setattr(tiles_cpu, "_SLICE_ELEMS", 5 * 300)  # slices of 5 rows within groups of 16
     x = s - top[:, None]
-    total, tau, updates, p, listed = tiles_cpu._dense_rows_probs(s.clone(), top, top + tau0, tau0, hi, live, em1, F64)
-    assert seen == [list_entries < 0] and updates >= 2 and (listed is None) == (list_entries < 0)
+    p = torch.zeros_like(s)
+    slices = []
+
+    def consume(r0, r1, probs):
+        slices.append((r0, r1))
+        p[r0:r1] = probs
+
+    total, tau, updates, listed, dense_rows = tiles_cpu._dense_rows_probs(
+        s.clone(), top, top + tau0, tau0, hi, live, em1, F64, 16, consume)
+    dense_groups = {-1.0: [0, 1, 2], 2.0: [], 0.5: [0]}[list_entries]
+    assert sorted({r0 // 16 for r0, _ in slices}) == dense_groups
+    assert all((r1 - 1) // 16 == r0 // 16 for r0, r1 in slices)  # no slice across a group
+    assert sum(r1 - r0 for r0, r1 in slices) == 16 * len(dense_groups)  # each dense row once
+    assert set(seen) == {kind for kind, used in ((True, dense_groups), (False, len(dense_groups) < 3)) if used}
+    assert updates >= 2
+    assert (listed is None) == (len(dense_groups) == 3)
+    assert (dense_rows is None) == (not dense_groups)
+    if dense_rows is not None:
+        assert torch.equal(dense_rows, torch.arange(48) // 16 < len(dense_groups))
+    if listed is not None:  # the listed groups' support entries, grouped by row
+        row, col, vals = listed
+        assert bool((row[1:] >= row[:-1]).all()) and bool((row >= 16 * len(dense_groups)).all())
+        p.index_put_((row, col), vals)
     ref = newton(x, None, 48, tau0, hi, live, em1, F64)[0]
     assert (tau - ref).abs().max() < 1e-12
     ref_p = (x - ref[:, None]).clamp(min=0).pow(1 / (alpha - 1))
     assert (total - 1).abs().max() < 1e-12 and (ref_p.sum(-1) - 1).abs().max() < 1e-12
-    if listed is not None:  # the support's entries, grouped by row
-        row, col, vals = listed
-        p = torch.zeros_like(ref_p).index_put_((row, col), vals)
-        assert torch.equal(p > 0, ref_p > 0) and bool((row[1:] >= row[:-1]).all())
-    assert (p - ref_p).abs().max() < 1e-12
+    assert torch.equal(p > 0, ref_p > 0) and (p - ref_p).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])

@@ -54,6 +54,7 @@ _ENTRY_SLICE = 1 << 13  # support entries per backward task
 _NARROW = 16  # sorted entries per row the closed form looks at first
 _DENSE_PAIRS = 0.25  # general α: a forward chunk with more candidate (row, key tile) pairs than this works densely
 _INT_POW_MAX = 8  # _pow_support: integer exponents up to this by multiplication (≤ 4 multiplications)
+_SLICE_ELEMS = 1 << 19  # general α, dense rows: score entries per slice of the τ solve (2 MB in fp32)
 _LIST_ENTRIES = 0.125  # general α, dense rows: τ by Newton on the entries above τ₀ where they are at most this few
 _DENSE_ENTRIES = 0.125  # a backward chunk of tiles with more support entries than this works on dense tiles
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
@@ -315,26 +316,48 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
 
 
 def _dense_rows_probs(s: torch.Tensor, top: torch.Tensor, thr: torch.Tensor, tau: torch.Tensor, hi: torch.Tensor,
-                      live: torch.Tensor, em1, ct):
+                      live: torch.Tensor, em1, ct, group_rows: int, consume):
     """τ and the unnormalised probabilities of a forward chunk's dense scores ``s`` (R, W) (-inf: masked;
-    overwritten): Newton from the lower bound ``tau`` (R,) (relative to the row maxima ``top`` (R,)) needs only the
-    entries above the absolute lower bound ``thr`` (R,). Where they are few (at most ``_LIST_ENTRIES`` of the
-    matrix: rows whose support is small but spread over many key tiles) it runs on that list; else (near-softmax
-    rows) on the dense rows, whose last evaluation gives ``p``. Returns (row sums (R,), τ relative to ``top`` (R,),
-    updates, p (R, W) or None, (row, column, p) of the support entries, grouped by row, or None): the dense ``p``
-    after a dense solve, the support's entries after a list solve."""
+    overwritten), group by group of ``group_rows`` rows (one batch item and KV head each). Newton from the lower
+    bound ``tau`` (R,) (relative to the row maxima ``top`` (R,)) needs only the entries above the absolute lower
+    bound ``thr`` (R,). In a group where they are few (at most ``_LIST_ENTRIES`` of its entries: a small support
+    spread over many key tiles) it runs on that list (all such groups together); in the others (near-softmax
+    heads) on the dense rows, slice by slice of at most ``_SLICE_ELEMS`` entries, handing each slice's ``p`` to
+    ``consume(r0, r1, p)``. Returns (row sums (R,), τ relative to ``top`` (R,), updates, (row, column, p) of the
+    listed groups' support entries grouped by row or None, the (R,) bool mask of the densely solved rows or None
+    when there are none)."""
+    n_rows, width = s.shape
     above = s > thr.unsqueeze(-1)
-    if int(above.sum()) > _LIST_ENTRIES * above.numel():
-        x = s.sub_(top.unsqueeze(-1))  # relative to the row max; -inf stays masked
-        rel, updates, _, p, total = _tau_newton(x, None, s.shape[0], tau, hi, live, em1, ct)
-        return total, rel, updates, p, None
+    per_group = above.view(-1, group_rows * width).view(torch.uint8).sum(-1, dtype=torch.int64)
+    dense = per_group > _LIST_ENTRIES * group_rows * width
+    total, rel, updates = torch.empty_like(top), torch.empty_like(top), 0
+    step = max(1, min(group_rows, _SLICE_ELEMS // max(1, width)))
+    for g0 in (dense.nonzero().squeeze(1) * group_rows).tolist():
+        for r0 in range(g0, g0 + group_rows, step):
+            r1 = min(r0 + step, g0 + group_rows)
+            x = s[r0:r1].sub_(top[r0:r1].unsqueeze(-1))  # relative to the row max; -inf stays masked
+            e = em1[r0:r1] if isinstance(em1, torch.Tensor) else em1
+            rel[r0:r1], n, _, p, total[r0:r1] = _tau_newton(x, None, r1 - r0, tau[r0:r1], hi[r0:r1], live[r0:r1],
+                                                            e, ct)
+            updates = max(updates, n)
+            consume(r0, r1, p)
+    if bool(dense.all()):
+        return total, rel, updates, None, torch.ones_like(live)
+    dense_rows = dense.repeat_interleave(group_rows) if bool(dense.any()) else None
+    if dense_rows is not None:  # the list holds the other groups' entries only
+        above.view(-1, group_rows * width).masked_fill_(dense.unsqueeze(-1), False)
+        live = live & ~dense_rows
     ent = _flat_nonzero(above)
-    row = torch.div(ent, s.shape[1], rounding_mode="floor")
+    row = torch.div(ent, width, rounding_mode="floor")
     x = s.view(-1).index_select(0, ent).sub_(top.index_select(0, row))
-    rel, updates, _, p, total = _tau_newton(x, row, s.shape[0], tau, hi, live, em1, ct)
+    rel_l, n, _, p, total_l = _tau_newton(x, row, n_rows, tau, hi, live, em1, ct)
+    if dense_rows is None:
+        rel, total = rel_l, total_l
+    else:
+        rel, total = torch.where(dense_rows, rel, rel_l), torch.where(dense_rows, total, total_l)
     sel = p.nonzero().squeeze(1)
     ent, row, p = ent.index_select(0, sel), row.index_select(0, sel), p.index_select(0, sel)
-    return total, rel, updates, None, (row, ent - row * s.shape[1], p)
+    return total, rel, max(updates, n), (row, ent - row * width, p), dense_rows
 
 
 def _probs_of(d: torch.Tensor, mode: int, e):
@@ -405,34 +428,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     """Tiled forward (module docstring). Returns (out, τ, row sums, support sizes, tile mask, diag, support keys)
     where diag = [τ updates of the slowest chunk (0: closed form), max |Σp - 1| before the final renormalisation]
     (float32) and the support keys are :func:`_support_list` per row (B, Hq, Sq, SUPPORT_KEYS) with
-    ``keep_support``, else empty.
-
-    Where one query tile of every head over all keys would outgrow a chunk's budget (long sequences), the KV heads
-    run in groups small enough to fit (one call each, the results concatenated): a chunk's score matrix and its
-    temporaries then stay in the CPU's caches (SmolLM2 at 8k: three chunks of 9 heads × 64 rows × 8k keys in fp32
-    are 57 MB against a 32 MB L3, one KV head's 19 MB)."""
-    b, hq, sq, _ = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    rep = hq // hkv
-    per_group = max(1, _CHUNK_ELEMS // max(1, b * rep * TILE * skv))
-    if per_group >= hkv:
-        return _forward_heads(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode,
-                              want_stats, keep_support)
-    parts = [
-        _forward_heads(q[:, g * rep : (g + per_group) * rep], k[:, g : g + per_group], v[:, g : g + per_group],
-                       alpha[g * rep : (g + per_group) * rep], n_valid, first_valid, bool_mask, scale, softcap, window,
-                       causal, mode, want_stats, keep_support)
-        for g in range(0, hkv, per_group)
-    ]
-    cat = [torch.cat([part[i] for part in parts], 1) for i in (0, 1, 2, 3, 4)]
-    diag = torch.stack([part[5] for part in parts]).amax(0)
-    support = torch.cat([part[6] for part in parts], 1) if keep_support else parts[0][6]
-    return (*cat, diag, support)
-
-
-def _forward_heads(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode,
-                   want_stats, keep_support):
-    """:func:`blockwise_forward` for a group of KV heads (all at once, chunk by chunk)."""
+    ``keep_support``, else empty."""
     b, hq, sq, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -476,7 +472,7 @@ def _forward_heads(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softc
         def support_times_v(row, col, p):  # Σ p·v over support entries grouped by row; the support sizes
             counts = torch.bincount(row, minlength=n_rows)
             vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
-            return _rows_times(counts, vrow, p, vflat), counts.float() if want_stats else None
+            return _rows_times(counts, vrow, p, vflat), counts
 
         # 1. scores and tile maxima
         kt = kc[:, :, kb:ke].transpose(-1, -2)
@@ -514,25 +510,44 @@ def _forward_heads(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softc
         if not mode and int(cand.sum()) > _DENSE_PAIRS * cand.numel():
             # 3'.-5'. rows whose candidates cover many key tiles (α close to 1, flat scores, or a small support
             # spread out): τ and p on the dense scores, the output by one product with V
-            total, rel, updates, p, listed = _dense_rows_probs(s.view(n_rows, span), top, thr,
-                                                               torch.minimum(rel0, hi), hi, live_r, em1, ct)
+            lists = []  # keep_support: (row, column) of the rows whose support fits a list, slice by slice
+            sizes = torch.empty(n_rows, dtype=torch.int64, device=dev) if want_stats or keep_support else None
+            o = torch.empty(n_rows, dh, dtype=ct, device=dev)
+            v_groups = vpad.view(b * hkv, nkt * TILE, dh)[:, kb:ke]
+
+            def consume(r0, r1, p):  # a slice's output (its rows lie in one batch item and KV head) and support
+                o[r0:r1] = torch.matmul(p, v_groups[r0 // (rep * cc)])
+                if sizes is None:
+                    return
+                nz = p > 0
+                sizes[r0:r1] = nz.sum(-1)
+                if keep_support:  # near α = 1 hardly any row fits
+                    fit = (sizes[r0:r1] <= SUPPORT_KEYS).nonzero().squeeze(1)
+                    ent = _flat_nonzero(nz.index_select(0, fit))
+                    r = torch.div(ent, span, rounding_mode="floor")
+                    lists.append((fit.index_select(0, r) + r0, ent - r * span))
+
+            total, rel, updates, listed, dense_rows = _dense_rows_probs(
+                s.view(n_rows, span), top, thr, torch.minimum(rel0, hi), hi, live_r, em1, ct, rep * cc, consume)
             # a key tile holds a weight > 0 iff its maximum lies above τ (the tile maxima need no pass over p)
             nz_tiles = (tmax - top.unsqueeze(-1) > rel.unsqueeze(-1)).view(-1, bm, nt).any(1).view(-1)
-            if listed is not None:  # the support came as a list: the output as in the sparse branch
+            if listed is not None:  # the other groups' support came as a list: their output as in the sparse branch
                 row, col, p = listed
-                o, cnt = support_times_v(row, col, p)
-            else:
-                o = torch.matmul(p.view(b, hkv, rep * cc, span), vpad[:, :, kb:ke]).view(n_rows, dh)
-                nz = p > 0 if want_stats or keep_support else None
-                sizes = nz.sum(-1) if nz is not None else None
-                cnt = sizes.float() if want_stats else None
-                if keep_support:  # list the rows whose support fits a list (near α = 1 hardly any)
-                    over = sizes > SUPPORT_KEYS
-                    fit = (~over).nonzero().squeeze(1)
-                    ent = _flat_nonzero(nz.index_select(0, fit))
-                    row = torch.div(ent, span, rounding_mode="floor")
-                    col = ent - row * span
-                    row = fit[row]
+                o_list, counts = support_times_v(row, col, p)
+                if dense_rows is None:
+                    o, sizes = o_list, counts
+                else:
+                    o = torch.where(dense_rows.unsqueeze(-1), o, o_list)
+                    sizes = torch.where(dense_rows, sizes, counts) if sizes is not None else None
+                lists.append((row, col))
+            cnt = sizes.float() if want_stats else None
+            if keep_support:
+                over = dense_rows & (sizes > SUPPORT_KEYS) if dense_rows is not None else None
+                row = torch.cat([r for r, _ in lists]) if lists else sizes.new_zeros(0)
+                col = torch.cat([c for _, c in lists]) if lists else sizes.new_zeros(0)
+                if len(lists) > 1:  # grouped by row for the support lists
+                    order = torch.sort(row, stable=True).indices
+                    row, col = row.index_select(0, order), col.index_select(0, order)
         else:
             rt = _flat_nonzero(cand)  # (row, key tile) pairs, flat
             seg = s.view(n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
@@ -554,7 +569,8 @@ def _forward_heads(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softc
             if mode:
                 total = torch.segment_reduce(p, "sum", lengths=torch.bincount(row, minlength=n_rows))
             nz_tiles = torch.div(row, bm, rounding_mode="floor") * nt + torch.div(col, TILE, rounding_mode="floor")
-            o, cnt = support_times_v(row, col, p)
+            o, counts = support_times_v(row, col, p)
+            cnt = counts.float() if want_stats else None
         # tile mask, stats, writes
         if live is not None:
             total = torch.where(live, total, 0)

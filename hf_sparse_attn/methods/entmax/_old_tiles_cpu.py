@@ -1,0 +1,771 @@
+"""Tiled α-entmax attention in PyTorch (the CPU implementation of the entmax custom ops).
+
+The geometry is the GPU kernels': scores are cut into ``TILE × TILE`` (query tile, key tile) pairs, the tile mask
+records the pairs holding a non-zero weight, and the backward visits those pairs only. After the score product
+everything runs over a *compact list of entries* (row, key, score) instead of dense tiles: attention rows of real
+models keep a handful of keys (SmolLM2 at 4k: median 2-10, max ~60 above the lower bound below), so the τ solve,
+the output and the gradients cost O(entries · D), not O(tiles · TILE² · D).
+
+Forward, per chunk of query tiles (all batch items and heads at once; GQA without repeating K/V):
+  1. one score product ``s = (α-1)·softcap(scale·q·kᵀ)`` over the chunk's visible keys, then the *tile maxima*
+     ``max_j s`` per (row, key tile) (the row max falls out of it);
+  2. a lower bound ``τ₀`` of every row's τ: three Newton steps from τ = -1 on the row's tile maxima alone (a
+     subset of the row, whose τ is ≤ τ*; Newton from the left stays left of it);
+  3. the (row, key tile) pairs whose maximum exceeds ``τ₀``, then their entries above ``τ₀`` (a superset of the
+     support) compacted into a flat list;
+  4. τ on that list: exact sorted closed forms for α = 1.5 / 2 (any subset of a row that holds its support gives
+     the row's τ), Newton from ``τ₀`` otherwise, on the e-norm form ``‖[x - τ]_+‖_e - 1`` (monotone from the left,
+     2-3 updates even near α = 1; every row until ``|Σp - 1|`` converges); powers as ``exp2(e·log2 d)``;
+  5. the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key, ``TILE_ZERO`` visible
+     but all weights zero, ``TILE_NONZERO`` some weight > 0) and the output ``Σ p·v`` over the support entries
+     (gathered V rows), normalised by the row sums.
+Backward (τ and the row sums are loaded, never recomputed): when a gradient is needed the forward keeps each row's
+support keys (int32, ``SUPPORT_KEYS`` per row), and the backward recomputes only those entries' scores
+(``q_i·k_j``), then ``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered
+rows and ``index_add_``: O(entries · D). Rows with a larger support (and calls without the lists) go over the
+non-zero pairs of the stored tile mask: one batched score product per chunk of pairs, the entries ``s > τ``
+compacted, then the same per-entry math. Where most rows overflowed their lists (α near 1) the custom op takes the
+dense-chunk backward of :mod:`.dense_cpu` instead.
+
+Threads: torch intra-op threads pay a synchronisation per op, and this path is many mid-sized ops, so chunks are
+spread over ``torch.get_num_threads()`` worker threads that run torch single-threaded (the ops release the GIL).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ...cpu_threads import parallel_map
+from ..base import log_once
+from .rowwise import _tau_sorted
+
+TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
+TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
+_CHUNK_ELEMS = 1 << 21  # score elements (B·Hq·rows·keys) of one forward chunk
+_PAIR_ELEMS = 1 << 20  # pair elements (pairs·TILE²) of one backward chunk
+SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
+_GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
+_ENTRY_SLICE = 1 << 13  # support entries per backward task
+_NARROW = 16  # sorted entries per row the closed form looks at first
+_DENSE_PAIRS = 0.25  # general α: a forward chunk with more candidate (row, key tile) pairs than this works densely
+_INT_POW_MAX = 8  # _pow_support: integer exponents up to this by multiplication (≤ 4 multiplications)
+_LIST_ENTRIES = 0.125  # general α, dense rows: τ by Newton on the entries above τ₀ where they are at most this few
+_DENSE_ENTRIES = 0.125  # a backward chunk of tiles with more support entries than this works on dense tiles
+_TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀
+_TAU0_MARGIN = {torch.float32: 1e-5, torch.float64: 1e-12}  # relative: keeps τ₀ below τ* despite rounding
+_MAX_UPDATES = 100
+# Newton convergence: |Σp - 1| below SUM_TOL, or τ no longer moving (relative STEP_TOL: fp rounding floor).
+_SUM_TOL = {torch.float32: 1e-5, torch.float64: 1e-13}
+_STEP_TOL = {torch.float32: 2e-7, torch.float64: 1e-15}
+
+_MAX_WORKERS: int | None = None  # cap on the worker threads (None: torch.get_num_threads())
+
+
+def _run_workers(tasks: list, fn, init) -> list:
+    """Run ``fn(task, state)`` for every task on up to ``torch.get_num_threads()`` threads of the shared CPU pool
+    (:mod:`hf_sparse_attn.cpu_threads`), each with its own ``state = init()``, torch single-threaded meanwhile
+    (intra-op threads on these mid-sized ops cost more in synchronisation than they gain). Worker ``w`` runs tasks
+    ``w, w + n, ...`` in order, so every sum is taken in the same order run to run (bit-identical results).
+    Returns the states (one per worker)."""
+    threads = torch.get_num_threads()
+    n = max(1, min(threads, len(tasks), _MAX_WORKERS or len(tasks)))
+
+    def share(w: int):  # a fixed share: the sums in each state never depend on thread timing
+        state = init()
+        for t in tasks[w::n]:
+            fn(t, state)
+        return state
+
+    return parallel_map(share, range(n), threads)
+
+
+def tile_grid(sq: int, skv: int) -> tuple[int, int]:
+    """(query tiles, key tiles) of the tile mask."""
+    return -(-sq // TILE), -(-skv // TILE)
+
+
+def _am1_heads(alpha: torch.Tensor, ct, hkv: int, rep: int, mode: int):
+    """α - 1 as a float when every head shares it, else (1, Hkv, R, 1, 1)."""
+    if mode:
+        return 0.5 if mode == 1 else 1.0
+    lo, hi = alpha.aminmax()
+    if float(lo) == float(hi):
+        return float(lo) - 1.0
+    return (alpha.to(ct) - 1).reshape(1, hkv, rep, 1, 1)
+
+
+def _key_span(a: int, c: int, off: int, kv_len: int, causal: bool, window: int, has_bool_mask: bool):
+    """Keys [k0, k1) query rows [a, a + c) can see (all keys for an explicit bool mask or a non-causal call)."""
+    if has_bool_mask or not causal:
+        return 0, kv_len
+    k1 = min(kv_len, off + a + c)
+    k0 = max(0, off + a - window + 1) if window > 0 else 0
+    return min(k0, k1), k1
+
+
+def _chunk_tiles(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, causal: bool, window: int) -> int:
+    """Rows of the forward chunk starting at tile-aligned row ``a`` (its scores hold about ``_CHUNK_ELEMS``
+    values): whole tiles, at least one; the last partial tile is a chunk of its own."""
+    if sq - a < TILE:
+        return sq - a
+    budget = _CHUNK_ELEMS / max(1, batch * hq)
+    if not causal:
+        c = budget / max(1, kv_len)
+    else:  # keys seen by rows [a, a + c): about base + c; solve c · (base + c) = budget
+        base = min(off + a, window - 1) if window > 0 else off + a
+        c = (-base + math.sqrt(base * base + 4 * budget)) / 2
+    tiles = max(1, int(c) // TILE)
+    return min(tiles * TILE, (sq - a) // TILE * TILE)
+
+
+@functools.lru_cache(maxsize=64)
+def _above_diagonal(rows: int, cols: int, shift: int, device) -> torch.Tensor:
+    """(rows, cols) bool: column + shift > row (keys after a causal query; cached per chunk shape)."""
+    return torch.arange(cols, device=device)[None, :] + shift > torch.arange(rows, device=device)[:, None]
+
+
+def _mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, bool_mask) -> None:
+    """-inf where rows [a, a+cc) may not see keys [kb, ke) of ``s`` (B, Hkv, R, cc, ke-kb), in place."""
+    ninf = float("-inf")
+    kv_end = min(ke, kv_len)
+    if ke > kv_len:
+        s[..., kv_end - kb :] = ninf
+    if bool_mask is not None:
+        s[..., : kv_end - kb].masked_fill_(~bool_mask[:, :, a : a + cc, kb:kv_end].unsqueeze(1), ninf)
+        return
+    if not causal:
+        return
+    dev = s.device
+    q_abs = torch.arange(a, a + cc, device=dev)[:, None] + off
+    if first_valid is not None:  # left-padded batch: one full-width mask
+        j = torch.arange(kb, kv_end, device=dev)[None, :]
+        keep = j <= q_abs
+        if window > 0:
+            keep = keep & (j > q_abs - window)
+        keep = keep[None, None, None] & (j >= first_valid[:, None])[:, None, None, None]
+        s[..., : kv_end - kb].masked_fill_(~keep, ninf)
+        return
+    c0 = max(kb, off + a)  # causal triangle: only keys at or after the chunk's first query
+    if c0 < kv_end:
+        s[..., c0 - kb : kv_end - kb].masked_fill_(_above_diagonal(cc, kv_end - c0, c0 - off - a, dev), ninf)
+    if window > 0:
+        c1 = min(kv_end, off + a + cc - window + 1)  # window: only keys before the last query's window start
+        if c1 > kb:
+            j = torch.arange(kb, c1, device=dev)[None, :]
+            s[..., : c1 - kb].masked_fill_(j <= q_abs - window, ninf)
+
+
+def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
+    """A lower bound τ₀ (R,) of each row's τ, relative to the row max, from its tile maxima ``x`` (R, T) (relative,
+    <= 0; a subset of the row, whose τ is <= τ*): ``_TILE_NEWTON`` Newton steps on ``f = Σ [x - τ]_+^e - 1`` from
+    τ = -1 (f >= 0 there; f is convex and decreasing, so the iterates stay left of the root); the caller subtracts a
+    rounding margin. ``em1`` = e - 1 (float or (R, 1))."""
+    tau = torch.full_like(x[:, :1], -1.0)
+    tiny = torch.finfo(ct).tiny
+    for _ in range(_TILE_NEWTON):
+        d = (x - tau).clamp_(min=0)
+        if mode == 1:  # f = Σd² - 1, -f' = 2 Σd
+            tau = tau.addcdiv(torch.linalg.vecdot(d, d).unsqueeze(-1) - 1, d.sum(-1, keepdim=True).clamp_(min=tiny),
+                              value=0.5)
+        elif mode == 2:  # f = Σd - 1, -f' = count
+            tau = tau.addcdiv(d.sum(-1, keepdim=True) - 1, (d > 0).sum(-1, keepdim=True).to(ct).clamp_(min=1))
+        else:  # Newton on the e-norm form (see _norm_newton_step)
+            de1 = _pow_support(d, em1)
+            tau = tau + _norm_newton_step(torch.linalg.vecdot(de1, d).unsqueeze(-1),
+                                          de1.sum(-1, keepdim=True).clamp_(min=tiny), em1)
+    return tau.squeeze(-1).clamp_(min=-1.0)
+
+
+def _pow_support(d: torch.Tensor, e) -> torch.Tensor:
+    """``d^e`` over the support and exactly 0 where ``d`` = 0 (also for e = 0), for ``d >= 0`` and an exponent
+    ``e >= 0`` (float, or a tensor broadcastable to ``d``), as ``exp2(e·log2 d)`` with the zeros sent to -inf in the
+    log domain. On this CPU ``pow`` is scalar per element (with or without a tensor exponent) and ``log2(0)`` takes a
+    slow path, hence the clamp: ≈ 1.6× faster than ``where(d > 0, d.pow(e), 0)``; the error is unbiased, at most
+    5e-6 relative in fp32 at e ≈ 100 (α = 1.01), far less at the usual α. A float exponent that is a small integer
+    (e = 4 and e - 1 = 3 at α = 1.25, the retrieval recipe's α) is done by multiplication (:func:`_int_pow`)."""
+    if isinstance(e, float | int) and float(e).is_integer() and 0 <= e <= _INT_POW_MAX:
+        return _int_pow(d, int(e))
+    logd = torch.log2(d.clamp(min=torch.finfo(d.dtype).tiny))
+    return logd.mul_(e).masked_fill_(d == 0, float("-inf")).exp2_()
+
+
+def _int_pow(d: torch.Tensor, n: int) -> torch.Tensor:
+    """``d^n`` for ``d >= 0`` and an integer ``0 <= n``, by squaring (⌊log2 n⌋ + popcount(n) - 1 multiplications);
+    ``d^0`` is 1 on the support and 0 where ``d`` = 0, as in :func:`_pow_support`. Always a new tensor."""
+    if n == 0:
+        return (d > 0).to(d.dtype)
+    out, base = None, d
+    while True:
+        if n & 1:
+            out = base if out is None else out * base
+        n >>= 1
+        if not n:
+            return out.clone() if out is d else out
+        base = base * base
+
+
+def _norm_newton_step(total: torch.Tensor, slope: torch.Tensor, em1) -> torch.Tensor:
+    """The τ increment of one Newton step on ``h(τ) = (Σ d^e)^(1/e) - 1``, d = [x - τ]_+, e = em1 + 1 >= 1 (α <= 2),
+    from ``total`` = S = Σ d^e and ``slope`` = Σ d^(e-1): ``(S - S^(1-1/e)) / slope``.
+
+    ``h`` has the root of ``f = Σ d^e - 1`` and is, like ``f``, convex and decreasing (the e-norm of a convex
+    non-negative vector function of τ), so Newton from the left still increases monotonically to the root; but ``h``
+    is nearly linear (exactly so while the support is one entry), where ``f`` is a power-``e`` curve on which Newton
+    from the left crawls: near α = 1 (e = 1/(α-1) ≈ 100) ``f``'s step is ``(S - 1)/(e·slope)`` for S far above 1.
+    For e = 1 (α = 2) both steps are equal. Right of the root (S < 1) the step is negative; callers keep τ."""
+    return (total - total.clamp(min=0).pow(em1 / (em1 + 1))).div_(slope)
+
+
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices (ascending) of the True entries of a contiguous bool tensor. Sparse masks are scanned eight
+    entries at a time (the mask viewed as int64 words, then only the words holding a True): ``nonzero`` costs a few
+    ns per element on CPU, and these masks are mostly False."""
+    m = mask.reshape(-1)
+    if m.numel() % 8 or m.storage_offset() % 8:
+        return m.nonzero().squeeze(1)
+    words = m.view(torch.int64).nonzero().squeeze(1)
+    hit, bit = m.view(-1, 8).index_select(0, words).nonzero(as_tuple=True)
+    return words[hit] * 8 + bit
+
+
+def _row_lists(x: torch.Tensor, row: torch.Tensor, n_rows: int, fill: float) -> torch.Tensor:
+    """The entries ``x`` (E,) of rows ``row`` (non-decreasing) as a padded (n_rows, max entries per row) matrix."""
+    counts = torch.bincount(row, minlength=n_rows)
+    width = max(1, int(counts.max())) if row.numel() else 1
+    start = counts.cumsum(0) - counts
+    out = torch.full((n_rows, width), fill, dtype=x.dtype, device=x.device)
+    out[row, torch.arange(row.numel(), device=x.device) - start[row]] = x
+    return out
+
+
+def _tau_closed_form(x: torch.Tensor, row: torch.Tensor, n_rows: int, mode: int) -> torch.Tensor:
+    """Exact τ (n_rows,) for α = 1.5 (mode 1) / 2 (mode 2) from entries ``x`` (E,) of rows ``row`` (non-decreasing),
+    relative to the row max (x <= 0; the max itself is listed). The list must hold every entry of the row above its
+    τ: the entmax of such a subset has the row's τ, and the sorted closed form is exact on it (padding at -2 lies
+    below every τ). Rows without an entry get a meaningless value."""
+    xs = _row_lists(x, row, n_rows, -2.0).sort(-1, descending=True).values
+    am1 = 0.5 if mode == 1 else 1.0
+    if xs.shape[1] <= _NARROW:
+        return _tau_sorted(xs, mode, am1, None, 0).squeeze(-1)
+    # the first _NARROW entries of a row decide its τ unless the last of them is in their support
+    tau = _tau_sorted(xs[:, :_NARROW], mode, am1, None, 0).squeeze(-1)
+    wide = (xs[:, _NARROW - 1] > tau).nonzero().squeeze(1)
+    if wide.numel():
+        tau[wide] = _tau_sorted(xs.index_select(0, wide), mode, am1, None, 0).squeeze(-1)
+    return tau
+
+
+def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
+    """τ (n_rows,) by Newton from the lower bound ``tau`` (clipped to ``hi``) on ``f = Σ [x - τ]_+^e - 1`` over the
+    listed entries ``x`` (E,) of rows ``row`` (they hold every entry above the root) or, with ``row=None``, over
+    the rows' scores as a dense (n_rows, W) matrix (-inf: masked). ``f`` is convex and decreasing, so the iterates
+    increase to the root; every live row updates until ``|f|`` is below the tolerance or τ stops moving. ``em1`` =
+    e - 1 (float or per row). Returns (τ, updates, max |f| at the last check)."""
+    if row is None:  # dense rows
+        em1_e = em1.unsqueeze(-1) if isinstance(em1, torch.Tensor) else em1
+
+        def per_entry(t):
+            return t.unsqueeze(-1)
+
+        def row_sum(t):
+            return t.sum(-1)
+    else:
+        em1_e = em1[row] if isinstance(em1, torch.Tensor) else em1
+
+        def per_entry(t):
+            return t[row]
+
+        def row_sum(t):
+            return torch.zeros(n_rows, dtype=ct, device=x.device).index_add_(0, row, t)
+
+    err = float("inf")
+    it = 0
+    for it in range(_MAX_UPDATES + 1):
+        d = (x - per_entry(tau)).clamp_(min=0)
+        de1 = _pow_support(d, em1_e)
+        f = row_sum(de1 * d) - 1
+        f = torch.where(live, f, 0)
+        err = float(f.abs().max()) if f.numel() else 0.0
+        if err <= _SUM_TOL[ct] or it == _MAX_UPDATES:
+            break
+        new = torch.minimum(tau + _norm_newton_step(f + 1, row_sum(de1).clamp(min=torch.finfo(ct).tiny), em1), hi)
+        new = torch.maximum(new, tau)
+        moved = (new - tau).abs() > _STEP_TOL[ct] * tau.abs().clamp(min=1)
+        tau = new
+        if not bool((moved & live).any()):
+            break
+    if err > _SUM_TOL[ct] and it == _MAX_UPDATES:
+        log_once(f"entmax: τ updates stopped after {_MAX_UPDATES} with |Σp - 1| = {err:.2e}; rows renormalised")
+    return tau, it, err
+
+
+def _tau_dense_rows(x: torch.Tensor, tau: torch.Tensor, hi: torch.Tensor, live: torch.Tensor, em1, ct):
+    """τ (R,) of dense rows ``x`` (R, W) (relative to the row max, -inf masked) by Newton from the lower bound
+    ``tau``, and the number of updates. Newton needs only the entries above a lower bound: where they are few (at
+    most ``_LIST_ENTRIES`` of the matrix: rows whose support is small but spread over many key tiles) it runs on
+    that list, else (near-softmax rows) on the dense rows."""
+    above = x > tau.unsqueeze(-1)
+    if int(above.sum()) > _LIST_ENTRIES * above.numel():
+        return _tau_newton(x, None, x.shape[0], tau, hi, live, em1, ct)[:2]
+    ent = _flat_nonzero(above)
+    row = torch.div(ent, x.shape[1], rounding_mode="floor")
+    return _tau_newton(x.view(-1)[ent], row, x.shape[0], tau, hi, live, em1, ct)[:2]
+
+
+def _probs_of(d: torch.Tensor, mode: int, e):
+    """p = d^e for d = [s - τ]_+ >= 0 (e = 1/(α-1); float or per entry)."""
+    if mode == 1:
+        return d * d
+    if mode == 2:
+        return d
+    return _pow_support(d, e)
+
+
+def _slope_and_probs(d: torch.Tensor, mode: int, am1, ct):
+    """For ``d = [(α-1)·s - τ]_+``: ``u = ∂p/∂s`` (the weight of ``dz = u ⊙ (g - δ)``) and the unnormalised
+    ``p = d^(1/(α-1))``; ``am1`` = α - 1 (float or broadcastable)."""
+    if mode == 1:
+        return d, d * d
+    if mode == 2:
+        return (d > 0).to(ct), d
+    u = _pow_support(d, 1.0 / am1 - 1.0)
+    return u, u * d
+
+
+def _gathered_rows_add(out: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, src: torch.Tensor,
+                       weight: torch.Tensor) -> None:
+    """``out[dst[i]] += weight[i] · table[src[i]]`` in slices of ``_GATHER_ROWS`` entries."""
+    for lo in range(0, dst.numel(), _GATHER_ROWS):
+        hi = lo + _GATHER_ROWS
+        out.index_add_(0, dst[lo:hi], table.index_select(0, src[lo:hi]).mul_(weight[lo:hi].unsqueeze(-1)))
+
+
+def _chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask):
+    """(row start, rows) of every forward chunk, most expensive first (the workers take them in this order)."""
+    out = []
+    a = 0
+    while a < sq:
+        cc = _chunk_tiles(a, b, hq, sq, off, skv, causal and not has_bool_mask, window)
+        out.append((a, cc))
+        a += cc
+    return out[::-1] if causal else out
+
+
+def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int, over: torch.Tensor | None = None) -> torch.Tensor:
+    """(n_rows, SUPPORT_KEYS) int32 keys of each row's entries (``row`` non-decreasing): -1 padding, -2 in slot 0
+    for a row with more entries than fit (or marked in ``over`` (n_rows,) bool, whose entries need not be listed)."""
+    counts = torch.bincount(row, minlength=n_rows)
+    pos = torch.arange(row.numel(), device=row.device) - (counts.cumsum(0) - counts)[row]
+    out = torch.full((n_rows, SUPPORT_KEYS), -1, dtype=torch.int32, device=row.device)
+    fits = pos < SUPPORT_KEYS
+    out[row[fits], pos[fits]] = key[fits].to(torch.int32)
+    over = counts > SUPPORT_KEYS if over is None else over | (counts > SUPPORT_KEYS)
+    out[over] = -1
+    out[over, 0] = -2
+    return out
+
+
+def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode,
+                      want_stats, keep_support=False):
+    """Tiled forward (module docstring). Returns (out, τ, row sums, support sizes, tile mask, diag, support keys)
+    where diag = [τ updates of the slowest chunk (0: closed form), max |Σp - 1| before the final renormalisation]
+    (float32) and the support keys are :func:`_support_list` per row (B, Hq, Sq, SUPPORT_KEYS) with
+    ``keep_support``, else empty."""
+    b, hq, sq, dh = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    ct = torch.promote_types(q.dtype, torch.float32)
+    dev = q.device
+    off = skv - sq
+    nqt, nkt = tile_grid(sq, skv)
+    am1_h = _am1_heads(alpha, ct, hkv, rep, mode)
+    qg = q.to(ct).reshape(b, hkv, rep, sq, dh)
+    qs = qg * (scale * am1_h) if not softcap else qg  # fold scale·(α-1) into q once
+    pad_k = nkt * TILE - skv
+    kc = F.pad(k.to(ct), (0, 0, 0, pad_k))
+    vflat = F.pad(v.to(ct), (0, 0, 0, pad_k)).reshape(b * hkv * nkt * TILE, dh)
+    vpad = vflat.view(b, hkv, nkt * TILE, dh)
+    out = torch.zeros(b, hkv, rep, sq, dh, dtype=ct, device=dev)
+    tau_out = torch.full((b, hkv, rep, sq), torch.finfo(ct).max, dtype=ct, device=dev)
+    norm_out = torch.ones(b, hkv, rep, sq, dtype=ct, device=dev)
+    supp_out = torch.zeros(b, hkv, rep, sq, dtype=torch.float32, device=dev)
+    tiles = torch.zeros(b * hkv * rep, nqt, nkt, dtype=torch.uint8, device=dev)
+    support = torch.full((b, hkv, rep, sq, SUPPORT_KEYS) if keep_support else (0,), -1, dtype=torch.int32,
+                         device=dev)
+    nv = n_valid.to(ct).reshape(n_valid.shape[0], 1, 1, sq).expand(b, hkv, rep, sq)
+
+    all_live = bool_mask is None and first_valid is None and bool((n_valid > 0).all())
+    am1_r_full = None if isinstance(am1_h, float) else am1_h.reshape(1, hkv, rep, 1).expand(b, hkv, rep, sq)
+
+    def chunk(task, diag):
+        a, cc = task
+        k0, k1 = _key_span(a, cc, off, skv, causal, window, bool_mask is not None)
+        if k1 <= k0:
+            return
+        rows = slice(a, a + cc)
+        t0 = k0 // TILE
+        nt = -(-k1 // TILE) - t0
+        kb, ke = t0 * TILE, (t0 + nt) * TILE
+        span = ke - kb
+        bm = min(TILE, cc)
+        nq = cc // bm
+        n_rows = b * hkv * rep * cc
+        # 1. scores and tile maxima
+        kt = kc[:, :, kb:ke].transpose(-1, -2)
+        if softcap:  # s = (α-1)·c·tanh(scale·q·k / c)
+            s = torch.matmul(qg[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt).mul_(scale / softcap).tanh_()
+            s.view(b, hkv, rep, cc, -1).mul_(softcap * am1_h)
+        else:
+            s = torch.matmul(qs[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt)
+        _mask_scores_(s.view(b, hkv, rep, cc, span), a, cc, kb, ke, off, skv, causal, window, first_valid,
+                      bool_mask)
+        tmax = s.view(n_rows, nt, TILE).amax(-1)  # (R, T)
+        top = tmax.amax(-1)
+        if all_live:
+            live = None
+        else:
+            live = (nv[:, :, :, rows].reshape(n_rows) > 0) & (top > float("-inf"))
+            top = torch.where(live, top, 0)
+        if mode:
+            am1_r, em1 = (0.5, 1.0) if mode == 1 else (1.0, 0.0)
+        else:
+            am1_r = am1_h if am1_r_full is None else am1_r_full[:, :, :, rows].reshape(n_rows)
+            em1 = 1.0 / am1_r - 1.0
+        # 2.-3. lower bound τ₀, the (row, key tile) pairs whose maximum exceeds it, and their entries above it
+        rel0 = _initial_tau(tmax - top.unsqueeze(-1), mode, em1 if isinstance(em1, float) else em1.unsqueeze(-1),
+                            ct)
+        thr = top + rel0 - _TAU0_MARGIN[ct] * top.abs().clamp(min=1)
+        if live is not None:
+            thr = torch.where(live, thr, float("inf"))
+        cand = tmax > thr.unsqueeze(1)  # (row, key tile) pairs that may hold support entries
+        if not mode:
+            n_r = nv[:, :, :, rows].reshape(n_rows).clamp(min=1)
+            hi = -torch.pow(n_r, -am1_r)
+            live_r = live if live is not None else torch.ones(n_rows, dtype=torch.bool, device=dev)
+        over = None  # rows whose support overflows a list without being listed
+        if not mode and int(cand.sum()) > _DENSE_PAIRS * cand.numel():
+            # 3'.-5'. near-softmax rows (α close to 1, flat scores): τ, p and the output on the dense scores
+            x = s.view(n_rows, span).sub_(top.unsqueeze(-1))  # relative to the row max; -inf stays masked
+            rel, updates = _tau_dense_rows(x, torch.minimum(rel0, hi), hi, live_r, em1, ct)
+            e = 1.0 / am1_r
+            d = x.sub_(rel.unsqueeze(-1)).clamp_(min=0)
+            p = _pow_support(d, e.unsqueeze(-1) if isinstance(e, torch.Tensor) else e)
+            total = p.sum(-1)
+            o = torch.matmul(p.view(b, hkv, rep * cc, span), vpad[:, :, kb:ke]).view(n_rows, dh)
+            nz = p > 0 if want_stats or keep_support else None
+            sizes = nz.sum(-1) if nz is not None else None
+            cnt = sizes.float() if want_stats else None
+            # a key tile holds a weight > 0 iff its maximum lies above τ (the tile maxima need no pass over p)
+            nz_tiles = (tmax - top.unsqueeze(-1) > rel.unsqueeze(-1)).view(-1, bm, nt).any(1).view(-1)
+            if keep_support:  # list the rows whose support fits a list (near α = 1 hardly any)
+                over = sizes > SUPPORT_KEYS
+                fit = (~over).nonzero().squeeze(1)
+                ent = _flat_nonzero(nz.index_select(0, fit))
+                row = torch.div(ent, span, rounding_mode="floor")
+                col = ent - row * span
+                row = fit[row]
+        else:
+            rt = _flat_nonzero(cand)  # (row, key tile) pairs, flat
+            seg = s.view(n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
+            ce = _flat_nonzero(seg > thr[torch.div(rt, nt, rounding_mode="floor")].unsqueeze(1))
+            ci = torch.div(ce, TILE, rounding_mode="floor")
+            rt = rt[ci]
+            row = torch.div(rt, nt, rounding_mode="floor")  # grouped by row
+            col = (rt - row * nt) * TILE + (ce - ci * TILE)
+            x = seg.view(-1)[ce] - top[row]
+            # 4. τ (relative to the row max)
+            if mode:
+                rel = _tau_closed_form(x, row, n_rows, mode)
+                updates = 0
+            else:
+                rel, updates, _ = _tau_newton(x, row, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
+            # 5. support and output Σ p·v by gathered V rows
+            d = (x - rel[row]).clamp_(min=0)
+            sel = d.nonzero().squeeze(1)
+            row, col, d = row[sel], col[sel], d[sel]
+            e = None if mode else (1.0 / am1_r[row] if isinstance(am1_r, torch.Tensor) else 1.0 / am1_r)
+            p = _probs_of(d, mode, e)
+            total = torch.zeros(n_rows, dtype=ct, device=dev).index_add_(0, row, p)
+            cnt = (torch.zeros(n_rows, dtype=torch.float32, device=dev).index_add_(0, row, (p > 0).float())
+                   if want_stats else None)
+            nz_tiles = torch.div(row, bm, rounding_mode="floor") * nt + torch.div(col, TILE, rounding_mode="floor")
+            o = torch.zeros(n_rows, dh, dtype=ct, device=dev)
+            vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
+            _gathered_rows_add(o, row, vflat, vrow, p)
+        # tile mask, stats, writes
+        if live is not None:
+            total = torch.where(live, total, 0)
+        diag[0] = max(diag[0], updates)
+        diag[1] = max(diag[1], float((total - 1).abs_().max()) if live is None else
+                      float((total - 1).abs_().masked_fill_(~live, 0).max()))
+        if want_stats:
+            supp_out[:, :, :, rows] = cnt.view(b, hkv, rep, cc)
+        code = torch.where((tmax > float("-inf")).view(-1, bm, nt).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
+        if nz_tiles.dtype == torch.bool:
+            code.view(-1).masked_fill_(nz_tiles, TILE_NONZERO)
+        else:
+            code.view(-1).index_fill_(0, nz_tiles, TILE_NONZERO)
+        tiles[:, a // TILE : a // TILE + nq, t0 : t0 + nt] = code.view(b * hkv * rep, nq, nt)
+        if keep_support:
+            support[:, :, :, rows] = _support_list(row, kb + col, n_rows, over).view(b, hkv, rep, cc, SUPPORT_KEYS)
+        inv = torch.where(total > 0, 1.0 / total, 0)
+        out[:, :, :, rows] = (o * inv.unsqueeze(-1)).view(b, hkv, rep, cc, dh)
+        tau_r = top + rel
+        if live is not None:
+            tau_r = torch.where(live, tau_r, torch.finfo(ct).max)
+            total = torch.where(live, total, 1)
+        tau_out[:, :, :, rows] = tau_r.view(b, hkv, rep, cc)
+        norm_out[:, :, :, rows] = total.view(b, hkv, rep, cc)
+
+    tasks = _chunk_bounds(b, hq, sq, off, skv, causal, window, bool_mask is not None)
+    diags = _run_workers(tasks, chunk, lambda: [0, 0.0])
+    diag = torch.tensor([max(d[0] for d in diags), max(d[1] for d in diags)], dtype=torch.float32, device=dev)
+    return (
+        out.reshape(b, hq, sq, dh).to(q.dtype),
+        tau_out.reshape(b, hq, sq),
+        norm_out.reshape(b, hq, sq),
+        supp_out.reshape(b, hq, sq),
+        tiles.reshape(b, hq, nqt, nkt),
+        diag,
+        support.reshape(b, hq, sq, SUPPORT_KEYS) if keep_support else support,
+    )
+
+
+def _pair_chunks(row_tile: torch.Tensor):
+    """Split pairs sorted by row tile into chunks of whole row tiles holding about ``_PAIR_ELEMS`` elements."""
+    n = row_tile.numel()
+    if n == 0:
+        return []
+    budget = max(1, _PAIR_ELEMS // (TILE * TILE))
+    starts = torch.ones(n, dtype=torch.bool, device=row_tile.device)
+    starts[1:] = row_tile[1:] != row_tile[:-1]
+    bounds = starts.nonzero().flatten().tolist() + [n]
+    chunks, lo = [], 0
+    for i in range(1, len(bounds)):
+        if bounds[i] - lo > budget and bounds[i - 1] > lo:
+            chunks.append((lo, bounds[i - 1]))
+            lo = bounds[i - 1]
+    chunks.append((lo, n))
+    return chunks
+
+
+
+def _entry_visible(qpos, kpos, b_of, sq, skv, off, causal, window, first_valid, bool_mask):
+    """Visibility of entries (query row ``qpos``, key ``kpos``) of batch items ``b_of``: padding, causal, window,
+    left padding, bool mask."""
+    keep = (qpos < sq) & (kpos < skv)
+    if bool_mask is not None:
+        bmask = bool_mask[:, 0]
+        bi = b_of if bmask.shape[0] > 1 else torch.zeros_like(b_of)
+        return keep & bmask[bi, qpos.clamp(max=sq - 1), kpos.clamp(max=skv - 1)]
+    if causal:
+        q_abs = qpos + off
+        keep &= kpos <= q_abs
+        if window > 0:
+            keep &= kpos > q_abs - window
+        if first_valid is not None:
+            keep &= kpos >= first_valid[b_of]
+    return keep
+
+
+def _row_dots(a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+    """``(a[ia[i]] · b[ib[i]])`` for every entry i, in slices of ``_GATHER_ROWS`` entries."""
+    out = torch.empty(ia.numel(), dtype=a.dtype, device=a.device)
+    for lo in range(0, ia.numel(), _GATHER_ROWS):
+        hi = lo + _GATHER_ROWS
+        out[lo:hi] = torch.linalg.vecdot(a.index_select(0, ia[lo:hi]), b.index_select(0, ib[lo:hi]))
+    return out
+
+
+def _entry_slices(qrow: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Split a list grouped by row (``qrow`` non-decreasing) into slices of about ``size`` entries, cut at row
+    starts (a row's entries stay in one slice: δ needs all of them)."""
+    n = qrow.numel()
+    if n == 0:
+        return []
+    cuts = torch.searchsorted(qrow, qrow[size::size].contiguous()).tolist()
+    bounds = sorted({0, n, *cuts})
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
+
+
+def blockwise_backward(dout, q, k, v, alpha, tau, norm, tiles, first_valid, bool_mask, scale, softcap, window,
+                       causal, mode, need_dalpha, support=None):
+    """Backward (module docstring): over the rows' support keys ``support`` (B, Hq, Sq, SUPPORT_KEYS) where the
+    forward kept them (rows marked -2 and a missing list: over the non-zero pairs of ``tiles``, recomputed).
+    Returns (dq, dk, dv, dα (Hq,))."""
+    b, hq, sq, dh = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    ct = torch.promote_types(q.dtype, torch.float32)
+    dev = q.device
+    off = skv - sq
+    nqt, nkt = tile_grid(sq, skv)
+    pq, pk = nqt * TILE - sq, nkt * TILE - skv
+    qflat = F.pad(q.to(ct), (0, 0, 0, pq)).reshape(b * hq * nqt * TILE, dh)
+    doflat = F.pad(dout.to(ct), (0, 0, 0, pq)).reshape(b * hq * nqt * TILE, dh)
+    tau_f = F.pad(tau.to(ct), (0, pq), value=torch.finfo(ct).max).reshape(-1)
+    norm_f = F.pad(norm.to(ct), (0, pq), value=1.0).reshape(-1)
+    kflat = F.pad(k.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
+    vflat = F.pad(v.to(ct), (0, 0, 0, pk)).reshape(b * hkv * nkt * TILE, dh)
+    qt_, kt_ = qflat.view(-1, TILE, dh), kflat.view(-1, TILE, dh)
+    dot_, vt_ = doflat.view(-1, TILE, dh), vflat.view(-1, TILE, dh)
+    am1_all = (alpha.to(ct) - 1) if mode == 0 else None
+    rows_per_head = nqt * TILE
+
+    def entry_grads(qrow, krow, z, acc):
+        """Gradients of the entries (padded query row ``qrow``, padded KV row ``krow``) with scores
+        ``z = scale·q·k`` (E,); every entry of each listed row is in this call."""
+        hrow = torch.div(qrow, rows_per_head, rounding_mode="floor") % hq
+        t = None
+        if softcap:
+            t = torch.tanh(z / softcap)
+            z = softcap * t
+        am1 = am1_all[hrow] if mode == 0 else (0.5 if mode == 1 else 1.0)
+        d = (z * am1 - tau_f[qrow]).clamp_(min=0)
+        u, p = _slope_and_probs(d, mode, am1, ct)
+        p = p / norm_f[qrow]
+        g = _row_dots(doflat, qrow, vflat, krow)  # dO_i · v_j
+        r0 = int(qrow.min())
+        lr = qrow - r0
+        n_loc = int(qrow.max()) - r0 + 1
+        su = torch.zeros(n_loc, dtype=ct, device=dev).index_add_(0, lr, u)
+        sug = torch.zeros_like(su).index_add_(0, lr, u * g)
+        delta = torch.where(su > 0, sug / torch.where(su > 0, su, 1), 0)
+        if need_dalpha:
+            plogp = torch.xlogy(p, p)
+            sums = torch.zeros(3, n_loc, dtype=ct, device=dev)
+            sums[0].index_add_(0, lr, g * p)
+            sums[1].index_add_(0, lr, g * plogp)
+            sums[2].index_add_(0, lr, plogp)
+            h_loc = torch.div(r0 + torch.arange(n_loc, device=dev), rows_per_head, rounding_mode="floor") % hq
+            am1_r = am1_all[h_loc] if mode == 0 else am1
+            da = (sums[0] - delta) / (am1_r * am1_r) - (sums[1] - delta * sums[2]) / am1_r
+            acc[3].index_add_(0, h_loc, torch.where(su > 0, da, 0))
+        dz = (g - delta[lr]) * u
+        if t is not None:
+            dz = dz * (1 - t * t)
+        dz = dz * scale
+        _gathered_rows_add(acc[0], qrow, kflat, krow, dz)
+        _gathered_rows_add(acc[1], krow, qflat, qrow, dz)
+        _gathered_rows_add(acc[2], krow, doflat, qrow, p)
+
+    # entries of the kept support lists
+    tasks = []
+    row_ok = None
+    if support is not None:
+        sk = support.reshape(b * hq, sq, -1)
+        overflow = sk[:, :, 0] == -2
+        flat = _flat_nonzero((sk >= 0) & ~overflow.unsqueeze(-1))
+        e_key = sk.view(-1)[flat].long()
+        bhi = torch.div(flat, sq * sk.shape[2], rounding_mode="floor")
+        ii = torch.div(flat, sk.shape[2], rounding_mode="floor") % sq
+        e_b = torch.div(bhi, hq, rounding_mode="floor")
+        e_qrow = bhi * rows_per_head + ii
+        e_krow = (e_b * hkv + torch.div(bhi % hq, rep, rounding_mode="floor")) * (nkt * TILE) + e_key
+        tasks += [("entries", lo, hi) for lo, hi in _entry_slices(e_qrow, _ENTRY_SLICE)]
+        row_ok = F.pad(overflow, (0, pq)).reshape(-1)
+    # non-zero tiles (rows without a kept list)
+    bh, qt, kt = (tiles.reshape(b * hq, nqt, nkt) == TILE_NONZERO).nonzero(as_tuple=True)
+    row_tile = bh * nqt + qt
+    if row_ok is not None:
+        sel = row_ok.view(-1, TILE).any(1)[row_tile]
+        bh, qt, kt, row_tile = bh[sel], qt[sel], kt[sel], row_tile[sel]
+    tasks += [("tiles", lo, hi) for lo, hi in _pair_chunks(row_tile)]
+
+    def dense_tile_grads(cbh, cqt, ckt, crt, kv_tile, kg, z, s, above, acc):
+        """:func:`entry_grads` for the pairs of one chunk (whole row tiles) on dense (P, TILE, TILE) tiles: batched
+        products instead of per-entry gathers where most entries are in the support (α close to 1)."""
+        ar = torch.arange(TILE, device=dev)
+        b_of = torch.div(cbh, hq, rounding_mode="floor")
+        keep = above & _entry_visible((cqt * TILE)[:, None, None] + ar[:, None], (ckt * TILE)[:, None, None] + ar,
+                                      b_of[:, None, None], sq, skv, off, causal, window, first_valid, bool_mask)
+        if row_ok is not None:
+            keep &= row_ok.view(-1, TILE)[crt].unsqueeze(-1)
+        head = cbh % hq
+        am1 = am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0)
+        d = (s - tau_f.view(-1, TILE)[crt].unsqueeze(-1)).clamp_(min=0).masked_fill_(~keep, 0)
+        u, p = _slope_and_probs(d, mode, am1, ct)
+        p = p / norm_f.view(-1, TILE)[crt].unsqueeze(-1)
+        do_t, q_t = dot_.index_select(0, crt), qt_.index_select(0, crt)
+        g = torch.bmm(do_t, vt_.index_select(0, kv_tile).transpose(1, 2))  # dO_i · v_j
+        urt, inv = torch.unique_consecutive(crt, return_inverse=True)
+
+        def per_row(x):  # (P, TILE, TILE) -> per query row of the chunk's row tiles (U, TILE)
+            return torch.zeros(urt.numel(), TILE, dtype=ct, device=dev).index_add_(0, inv, x.sum(-1))
+
+        su, sug = per_row(u), per_row(u * g)
+        delta = torch.where(su > 0, sug / torch.where(su > 0, su, 1), 0)
+        if need_dalpha:
+            plogp = torch.xlogy(p, p)
+            h_u = torch.div(urt, nqt, rounding_mode="floor") % hq
+            am1_r = am1_all[h_u].unsqueeze(-1) if mode == 0 else am1
+            da = (per_row(g * p) - delta) / (am1_r * am1_r) - (per_row(g * plogp) - delta * per_row(plogp)) / am1_r
+            acc[3].index_add_(0, h_u, torch.where(su > 0, da, 0).sum(-1))
+        dz = (g - delta[inv].unsqueeze(-1)) * u
+        if softcap:
+            t = torch.tanh(z / softcap)
+            dz = dz * (1 - t * t)
+        dz = dz * scale
+        acc[0].view(-1, TILE, dh).index_add_(0, crt, torch.bmm(dz, kg))
+        acc[1].view(-1, TILE, dh).index_add_(0, kv_tile, torch.bmm(dz.transpose(1, 2), q_t))
+        acc[2].view(-1, TILE, dh).index_add_(0, kv_tile, torch.bmm(p.transpose(1, 2), do_t))
+
+    def tile_chunk(lo, hi, acc):
+        cbh, cqt, ckt, crt = bh[lo:hi], qt[lo:hi], kt[lo:hi], row_tile[lo:hi]
+        head = cbh % hq
+        b_of = torch.div(cbh, hq, rounding_mode="floor")
+        kv_tile = (b_of * hkv + torch.div(head, rep, rounding_mode="floor")) * nkt + ckt
+        kg = kt_.index_select(0, kv_tile)
+        z = torch.bmm(qt_.index_select(0, crt), kg.transpose(1, 2)).mul_(scale)  # (P, TILE, TILE)
+        s = torch.tanh(z / softcap) * softcap if softcap else z
+        s = s * (am1_all[head].view(-1, 1, 1) if mode == 0 else (0.5 if mode == 1 else 1.0))
+        above = s > tau_f.view(-1, TILE)[crt].unsqueeze(-1)
+        if int(above.sum()) > _DENSE_ENTRIES * above.numel():
+            dense_tile_grads(cbh, cqt, ckt, crt, kv_tile, kg, z, s, above, acc)
+            return
+        flat = _flat_nonzero(above)
+        pi = torch.div(flat, TILE * TILE, rounding_mode="floor")
+        mi = torch.div(flat, TILE, rounding_mode="floor") % TILE
+        ni = flat % TILE
+        keep = _entry_visible(cqt[pi] * TILE + mi, ckt[pi] * TILE + ni, b_of[pi], sq, skv, off, causal, window,
+                              first_valid, bool_mask)
+        qrow = crt[pi] * TILE + mi
+        if row_ok is not None:
+            keep &= row_ok[qrow]
+        pi, mi, ni, qrow = pi[keep], mi[keep], ni[keep], qrow[keep]
+        if qrow.numel():
+            entry_grads(qrow, kv_tile[pi] * TILE + ni, z[pi, mi, ni], acc)
+
+    def run(task, acc):
+        kind, lo, hi = task
+        if kind == "tiles":
+            tile_chunk(lo, hi, acc)
+        else:
+            qrow, krow = e_qrow[lo:hi], e_krow[lo:hi]
+            entry_grads(qrow, krow, _row_dots(qflat, qrow, kflat, krow).mul_(scale), acc)
+
+    def init():
+        return [torch.zeros_like(qflat), torch.zeros_like(kflat), torch.zeros_like(kflat),
+                torch.zeros(hq, dtype=ct, device=dev)]
+
+    accs = _run_workers(tasks, run, init)
+    dq, dk, dv, dalpha = (sum(a[i] for a in accs[1:]) + accs[0][i] if len(accs) > 1 else accs[0][i]
+                          for i in range(4))
+    return (
+        dq.view(b, hq, nqt * TILE, dh)[:, :, :sq].to(q.dtype),
+        dk.view(b, hkv, nkt * TILE, dh)[:, :, :skv].to(k.dtype),
+        dv.view(b, hkv, nkt * TILE, dh)[:, :, :skv].to(v.dtype),
+        dalpha.to(alpha.dtype),
+    )
+
+
+def tile_fractions(tiles: torch.Tensor) -> dict[str, float]:
+    """Plain numbers of a tile mask: the fraction of visible key tiles skipped (all weights zero)."""
+    visible = int((tiles > TILE_HIDDEN).sum())
+    nonzero = int((tiles == TILE_NONZERO).sum())
+    return {"visible_tiles": visible, "nonzero_tiles": nonzero,
+            "skipped": 1.0 - nonzero / visible if visible else math.nan}
