@@ -439,10 +439,11 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     am1_h = _am1_heads(alpha, ct, hkv, rep, mode)
     qg = q.to(ct).reshape(b, hkv, rep, sq, dh)
     qs = qg * (scale * am1_h) if not softcap else qg  # fold scale·(α-1) into q once
-    pad_k = nkt * TILE - skv
-    kc = F.pad(k.to(ct), (0, 0, 0, pad_k))
-    vflat = F.pad(v.to(ct), (0, 0, 0, pad_k)).reshape(b * hkv * nkt * TILE, dh)
-    vpad = vflat.view(b, hkv, nkt * TILE, dh)
+    # K / V as they are (a copy only to make them contiguous): the last partial key tile is padded in the scores,
+    # not here — a decode step would otherwise copy the whole cache per layer
+    kc = k.to(ct).contiguous()
+    vc = v.to(ct).contiguous()
+    vflat = vc.view(b * hkv * skv, dh)
     out = torch.zeros(b, hkv, rep, sq, dh, dtype=ct, device=dev)
     tau_out = torch.full((b, hkv, rep, sq), torch.finfo(ct).max, dtype=ct, device=dev)
     norm_out = torch.ones(b, hkv, rep, sq, dtype=ct, device=dev)
@@ -471,16 +472,19 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
 
         def support_times_v(row, col, p):  # Σ p·v over support entries grouped by row; the support sizes
             counts = torch.bincount(row, minlength=n_rows)
-            vrow = torch.div(row, rep * cc, rounding_mode="floor") * (nkt * TILE) + (kb + col)
+            vrow = torch.div(row, rep * cc, rounding_mode="floor") * skv + (kb + col)
             return _rows_times(counts, vrow, p, vflat), counts
 
         # 1. scores and tile maxima
-        kt = kc[:, :, kb:ke].transpose(-1, -2)
+        kend = min(ke, skv)  # keys [kend, ke): the padding of the last key tile
+        kt = kc[:, :, kb:kend].transpose(-1, -2)
         if softcap:  # s = (α-1)·c·tanh(scale·q·k / c)
             s = torch.matmul(qg[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt).mul_(scale / softcap).tanh_()
             s.view(b, hkv, rep, cc, -1).mul_(softcap * am1_h)
         else:
             s = torch.matmul(qs[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt)
+        if kend < ke:
+            s = F.pad(s, (0, ke - kend), value=float("-inf"))
         _mask_scores_(s.view(b, hkv, rep, cc, span), a, cc, kb, ke, off, skv, causal, window, first_valid,
                       bool_mask)
         tmax = s.view(n_rows, nt, TILE).amax(-1)  # (R, T)
@@ -513,10 +517,10 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
             lists = []  # keep_support: (row, column) of the rows whose support fits a list, slice by slice
             sizes = torch.empty(n_rows, dtype=torch.int64, device=dev) if want_stats or keep_support else None
             o = torch.empty(n_rows, dh, dtype=ct, device=dev)
-            v_groups = vpad.view(b * hkv, nkt * TILE, dh)[:, kb:ke]
+            v_groups = vc.view(b * hkv, skv, dh)[:, kb:kend]
 
             def consume(r0, r1, p):  # a slice's output (its rows lie in one batch item and KV head) and support
-                o[r0:r1] = torch.matmul(p, v_groups[r0 // (rep * cc)])
+                o[r0:r1] = torch.matmul(p[:, : kend - kb], v_groups[r0 // (rep * cc)])
                 if sizes is None:
                     return
                 nz = p > 0
