@@ -18,7 +18,10 @@ Forward, per chunk of query tiles (all batch items and heads at once; GQA withou
      2-3 updates even near α = 1; every row until ``|Σp - 1|`` converges); powers as ``exp2(e·log2 d)``;
   5. the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key, ``TILE_ZERO`` visible
      but all weights zero, ``TILE_NONZERO`` some weight > 0) and the output ``Σ p·v`` over the support entries
-     (gathered V rows), normalised by the row sums.
+     (one sparse CSR × V product), normalised by the row sums.
+  General α, chunks whose candidate pairs cover most key tiles (a support spread thin, or near-softmax rows) skip
+  3: each KV head's rows take τ on the list of their entries above ``τ₀`` where it is short (then 5 as above), else
+  Newton on their dense rows in cache-sized slices, whose last evaluation gives ``p`` and the output ``p·V``.
 Backward (τ and the row sums are loaded, never recomputed): when a gradient is needed the forward keeps each row's
 support keys (int32, ``SUPPORT_KEYS`` per row), and the backward recomputes only those entries' scores
 (``q_i·k_j``), then ``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered
