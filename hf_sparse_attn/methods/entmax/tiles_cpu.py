@@ -318,6 +318,12 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
     return tau, it, err, p, total
 
 
+def _support_entries(p: torch.Tensor, *lists: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The entries of a list with ``p > 0``: (p, *lists) restricted to them, order kept."""
+    sel = p.nonzero().squeeze(1)
+    return (p.index_select(0, sel), *(t.index_select(0, sel) for t in lists))
+
+
 def _dense_rows_probs(s: torch.Tensor, top: torch.Tensor, thr: torch.Tensor, tau: torch.Tensor, hi: torch.Tensor,
                       live: torch.Tensor, em1, ct, group_rows: int, consume):
     """τ and the unnormalised probabilities of a forward chunk's dense scores ``s`` (R, W) (-inf: masked;
@@ -358,8 +364,7 @@ def _dense_rows_probs(s: torch.Tensor, top: torch.Tensor, thr: torch.Tensor, tau
         rel, total = rel_l, total_l
     else:
         rel, total = torch.where(dense_rows, rel, rel_l), torch.where(dense_rows, total, total_l)
-    sel = p.nonzero().squeeze(1)
-    ent, row, p = ent.index_select(0, sel), row.index_select(0, sel), p.index_select(0, sel)
+    p, ent, row = _support_entries(p, ent, row)
     return total, rel, max(updates, n), (row, ent - row * width, p), dense_rows
 
 
@@ -546,7 +551,8 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
                 else:
                     o = torch.where(dense_rows.unsqueeze(-1), o, o_list)
                     sizes = torch.where(dense_rows, sizes, counts) if sizes is not None else None
-                lists.append((row, col))
+                if keep_support:
+                    lists.append((row, col))
             cnt = sizes.float() if want_stats else None
             if keep_support:
                 over = dense_rows & (sizes > SUPPORT_KEYS) if dense_rows is not None else None
@@ -571,12 +577,11 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
                 p = _probs_of((x - rel.index_select(0, row)).clamp_(min=0), mode, None)
             else:
                 rel, updates, _, p, total = _tau_newton(x, row, n_rows, torch.minimum(rel0, hi), hi, live_r, em1, ct)
-            sel = p.nonzero().squeeze(1)
-            row, col, p = row.index_select(0, sel), col.index_select(0, sel), p.index_select(0, sel)
-            if mode:
-                total = torch.segment_reduce(p, "sum", lengths=torch.bincount(row, minlength=n_rows))
+            p, row, col = _support_entries(p, row, col)
             nz_tiles = torch.div(row, bm, rounding_mode="floor") * nt + torch.div(col, TILE, rounding_mode="floor")
             o, counts = support_times_v(row, col, p)
+            if mode:  # (Newton's evaluation gave the row sums)
+                total = torch.segment_reduce(p, "sum", lengths=counts)
             cnt = counts.float() if want_stats else None
         # tile mask, stats, writes
         if live is not None:
