@@ -290,6 +290,18 @@ def test_pow_support_integer_exponents_by_multiplication(e):
     ref = torch.where(d > 0, d.double().pow(e), 0.0)
     assert p.data_ptr() != d.data_ptr() and torch.equal(p == 0, d == 0)
     assert torch.allclose(p.double(), ref, rtol=2e-6, atol=0)
+    # into a given buffer (the dense Newton evaluations reuse one): the same values, written there, d untouched
+    d0, buf = d.clone(), torch.full_like(d, float("nan"))
+    q = tiles_cpu._pow_support(d, e, buf)
+    assert q.data_ptr() == buf.data_ptr() and torch.equal(q, p) and torch.equal(d, d0)
+
+
+@pytest.mark.parametrize("n", [64 * 5, 96])
+def test_count_true_per_row(n):
+    # byte sums in groups of 64 (n a multiple of 64) or a plain sum: the count of True per row either way
+    mask = torch.rand(7, n) > 0.3
+    mask[0] = True  # a full row: 64 per byte group, still below the uint8 limit
+    assert torch.equal(tiles_cpu._count_true(mask), mask.sum(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -190,32 +190,34 @@ def _initial_tau(x: torch.Tensor, mode: int, em1, ct) -> torch.Tensor:
     return tau.squeeze(-1).clamp_(min=-1.0)
 
 
-def _pow_support(d: torch.Tensor, e) -> torch.Tensor:
+def _pow_support(d: torch.Tensor, e, out: torch.Tensor | None = None) -> torch.Tensor:
     """``d^e`` over the support and exactly 0 where ``d`` = 0 (also for e = 0), for ``d >= 0`` and an exponent
     ``e >= 0`` (float, or a tensor broadcastable to ``d``), as ``exp2(e·log2 d)`` with the zeros sent to -inf in the
     log domain. On this CPU ``pow`` is scalar per element (with or without a tensor exponent) and ``log2(0)`` takes a
     slow path, hence the clamp: ≈ 1.6× faster than ``where(d > 0, d.pow(e), 0)``; the error is unbiased, at most
     5e-6 relative in fp32 at e ≈ 100 (α = 1.01), far less at the usual α. A float exponent that is a small integer
-    (e = 4 and e - 1 = 3 at α = 1.25, the retrieval recipe's α) is done by multiplication (:func:`_int_pow`)."""
+    (e = 4 and e - 1 = 3 at α = 1.25, the retrieval recipe's α) is done by multiplication (:func:`_int_pow`).
+    ``out`` (the shape of ``d``, not ``d`` itself): written and returned instead of a new tensor."""
     if isinstance(e, float | int) and float(e).is_integer() and 0 <= e <= _INT_POW_MAX:
-        return _int_pow(d, int(e))
-    logd = torch.log2(d.clamp(min=torch.finfo(d.dtype).tiny))
+        return _int_pow(d, int(e), out)
+    logd = torch.clamp(d, min=torch.finfo(d.dtype).tiny, out=out).log2_()
     return logd.mul_(e).masked_fill_(d == 0, float("-inf")).exp2_()
 
 
-def _int_pow(d: torch.Tensor, n: int) -> torch.Tensor:
-    """``d^n`` for ``d >= 0`` and an integer ``0 <= n``, by squaring (⌊log2 n⌋ + popcount(n) - 1 multiplications);
-    ``d^0`` is 1 on the support and 0 where ``d`` = 0, as in :func:`_pow_support`. Always a new tensor."""
+def _int_pow(d: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``d^n`` for ``d >= 0`` and an integer ``0 <= n``, by binary powering from the top bit (⌊log2 n⌋ squarings
+    and popcount(n) - 1 multiplications by ``d``, all in one buffer); ``d^0`` is 1 on the support and 0 where ``d``
+    = 0, as in :func:`_pow_support`. A new tensor, or ``out`` (not ``d``) when given."""
     if n == 0:
-        return (d > 0).to(d.dtype)
-    out, base = None, d
-    while True:
-        if n & 1:
-            out = base if out is None else out * base
-        n >>= 1
-        if not n:
-            return out.clone() if out is d else out
-        base = base * base
+        return torch.gt(d, 0).to(d.dtype) if out is None else out.copy_(d > 0)
+    r = None
+    for bit in bin(n)[3:]:
+        r = torch.mul(d, d, out=out) if r is None else r.mul_(r)
+        if bit == "1":
+            r.mul_(d)
+    if r is None:  # n = 1
+        return d.clone() if out is None else out.copy_(d)
+    return r
 
 
 def _norm_newton_step(total: torch.Tensor, slope: torch.Tensor, em1) -> torch.Tensor:
@@ -240,6 +242,16 @@ def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     words = m.view(torch.int64).nonzero().squeeze(1)
     hit, bit = m.view(-1, 8).index_select(0, words).nonzero(as_tuple=True)
     return words[hit] * 8 + bit
+
+
+def _count_true(mask: torch.Tensor) -> torch.Tensor:
+    """The True entries per row (int64) of a contiguous bool matrix (G, N). Where N is a multiple of 64 they are
+    summed as bytes in groups of 64 first: a bool or uint8 sum into int64 converts the whole matrix to int64
+    beforehand on CPU."""
+    g, n = mask.shape
+    if n % 64:
+        return mask.sum(-1)
+    return mask.view(torch.uint8).view(g, n // 64, 64).sum(-1, dtype=torch.uint8).sum(-1)
 
 
 def _row_lists(x: torch.Tensor, row: torch.Tensor, n_rows: int, fill: float) -> torch.Tensor:
@@ -285,6 +297,11 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
 
         def row_sum(t):
             return t.sum(-1)
+
+        def row_dot(a, c):
+            return torch.linalg.vecdot(a, c)
+
+        buf_d, buf_p = torch.empty_like(x), torch.empty_like(x)  # reused by every evaluation
     else:  # a list grouped by row: gathers by index_select, row sums by segments (≈ 5× / 2× faster on CPU than
         # advanced indexing / index_add_)
         counts = torch.bincount(row, minlength=n_rows)
@@ -296,13 +313,17 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
         def row_sum(t):
             return torch.segment_reduce(t, "sum", lengths=counts)
 
+        def row_dot(a, c):
+            return row_sum(a * c)
+
+        buf_d = buf_p = None
+
     err = float("inf")
     it = 0
     for it in range(_MAX_UPDATES + 1):
-        d = (x - per_entry(tau)).clamp_(min=0)
-        de1 = _pow_support(d, em1_e)
-        p = de1 * d
-        total = row_sum(p)
+        d = torch.sub(x, per_entry(tau), out=buf_d).clamp_(min=0)
+        de1 = _pow_support(d, em1_e, buf_p)
+        total = row_dot(de1, d)  # Σ d^e without a tensor of d^e (made once, at the returned τ)
         f = torch.where(live, total - 1, 0)
         err = float(f.abs().max()) if f.numel() else 0.0
         if err <= _SUM_TOL[ct] or it == _MAX_UPDATES:
@@ -315,7 +336,7 @@ def _tau_newton(x, row, n_rows, tau, hi, live, em1, ct):
         tau = new
     if err > _SUM_TOL[ct] and it == _MAX_UPDATES:
         log_once(f"entmax: τ updates stopped after {_MAX_UPDATES} with |Σp - 1| = {err:.2e}; rows renormalised")
-    return tau, it, err, p, total
+    return tau, it, err, de1.mul_(d), total
 
 
 def _support_entries(p: torch.Tensor, *lists: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -337,7 +358,7 @@ def _dense_rows_probs(s: torch.Tensor, top: torch.Tensor, thr: torch.Tensor, tau
     when there are none)."""
     n_rows, width = s.shape
     above = s > thr.unsqueeze(-1)
-    per_group = above.view(-1, group_rows * width).view(torch.uint8).sum(-1, dtype=torch.int64)
+    per_group = _count_true(above.view(-1, group_rows * width))
     dense = per_group > _LIST_ENTRIES * group_rows * width
     total, rel, updates = torch.empty_like(top), torch.empty_like(top), 0
     step = max(1, min(group_rows, _SLICE_ELEMS // max(1, width)))
@@ -531,9 +552,9 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
                 o[r0:r1] = torch.matmul(p[:, : kend - kb], v_groups[r0 // (rep * cc)])
                 if sizes is None:
                     return
-                nz = p > 0
-                sizes[r0:r1] = nz.sum(-1)
+                sizes[r0:r1] = torch.sign(p).sum(-1)  # (≈ 7× faster here than counting p > 0 as bools)
                 if keep_support:  # near α = 1 hardly any row fits
+                    nz = p > 0
                     fit = (sizes[r0:r1] <= SUPPORT_KEYS).nonzero().squeeze(1)
                     ent = _flat_nonzero(nz.index_select(0, fit))
                     r = torch.div(ent, span, rounding_mode="floor")
