@@ -1,7 +1,7 @@
 """``hf-sparse-attn demo`` / ``make demo``: dense vs bfla vs entmax on the offline SmolLM2 model.
 
-A few RULER tasks at two lengths, a handful of samples each (about 14 minutes on an idle 2-core CPU, about half
-of it the fine-tuned asentmax row; ``--finetuned ''`` about ten). Prints the summary table and writes
+A few RULER tasks at two lengths, a handful of samples each (9-14 minutes on an idle 2-core CPU, 45 % of it
+the fine-tuned asentmax row; ``--finetuned ''`` less). Prints the summary table and writes
 ``results.json``, ``summary.md`` and the plots into ``--out``.
 
 Zero-shot entmax on a softmax-trained model loses retrieval, so the default method list shows a fine-tuned sparse
