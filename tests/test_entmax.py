@@ -168,6 +168,32 @@ def test_dense_chunks_with_flat_and_peaked_kv_heads_equal_the_reference(monkeypa
         assert (a - r).abs().max() < 1e-9
 
 
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, "per-head"])
+@pytest.mark.parametrize("hq,hkv,skv,softcap", [(6, 2, 131, None), (3, 3, 64, None), (4, 1, 67, 2.0)])
+def test_one_query_step_equals_the_reference_and_the_chunked_path(monkeypatch, alpha, hq, hkv, skv, softcap):
+    """A decode step without padding, mask or window takes the lean one-query forward (counted); its output equals
+    the reference (fp64 1e-10, fp32 1e-5), and its τ, support sizes and tile mask those of the chunked path."""
+    taken = []
+    one_query = tiles_cpu._one_query_forward
+    monkeypatch.setattr(tiles_cpu, "_one_query_forward", lambda *a: taken.append(1) or one_query(*a))
+    a = torch.linspace(1.2, 1.9, hq, dtype=F64) if alpha == "per-head" else alpha
+    mode = {1.5: 1, 2.0: 2}.get(alpha, 0)
+    for dtype, tol in ((F64, 1e-10), (torch.float32, 1e-5)):
+        q, k, v = _qkv(2, hq, hkv, 1, skv, dtype=dtype, std=3.0)
+        with torch.no_grad():
+            out = E.entmax_attention(q, k, v, None, alpha=a, scale=0.8, softcap=softcap)
+        ref = E.entmax_attention_reference(q.double(), k.double(), v.double(), None, alpha=a, scale=0.8,
+                                           softcap=softcap)
+        assert (out.double() - ref).abs().max() < tol
+        al = (a if alpha == "per-head" else torch.full((hq,), alpha, dtype=F64)).to(dtype)
+        args = (q, k, v, al, torch.full((2, 1), skv), None, None, 0.8, softcap or 0.0, 0, True, mode, True)
+        lean = tiles_cpu.blockwise_forward(*args)
+        chunked = tiles_cpu.blockwise_forward(*args, keep_support=True)  # the support lists: not the lean path
+        assert (lean[1] - chunked[1]).abs().max() <= 1e3 * tol * chunked[1].abs().max()
+        assert torch.equal(lean[3], chunked[3]) and torch.equal(lean[4], chunked[4])
+    assert len(taken) == 4  # entmax_attention and the first blockwise call, in fp64 and fp32
+
+
 @pytest.mark.parametrize("path", ["lists", "rows"])
 def test_threaded_backward_is_bit_identical_run_to_run(monkeypatch, path):
     """Work split over worker threads never changes a sum's order: two runs give the same bits (fp32)."""
