@@ -25,6 +25,8 @@ Forward, per chunk of query tiles (all batch items and heads at once; GQA withou
   (each evaluation writes ``[x - τ]_+`` and its power into two buffers of the slice and takes ``Σ d^e`` as a dot
   product; the per-head counts of entries above ``τ₀`` are byte sums: fresh temporaries, a tensor of ``p`` per
   evaluation and counts summed into int64 cost ≈ 20 % of the forward on near-dense layers).
+A decode step (one query row per head seeing every key: no padding, mask or window) takes
+:func:`_one_query_forward`: steps 1-2, then Newton on the dense rows for every α and ``p·V`` per KV group.
 Backward (τ and the row sums are loaded, never recomputed): when a gradient is needed the forward keeps each row's
 support keys (int32, ``SUPPORT_KEYS`` per row), and the backward recomputes only those entries' scores
 (``q_i·k_j``), then ``g = dO·v``, ``δ = Σ u·g / Σ u`` per row, ``dz = u ⊙ (g - δ)`` and dQ / dK / dV / dα by gathered
