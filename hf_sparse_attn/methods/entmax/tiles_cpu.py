@@ -432,6 +432,17 @@ def _gathered_rows_add(out: torch.Tensor, dst: torch.Tensor, table: torch.Tensor
         out.index_add_(0, dst[lo:hi], table.index_select(0, src[lo:hi]).mul_(weight[lo:hi].unsqueeze(-1)))
 
 
+def _scores(qg: torch.Tensor, qs: torch.Tensor, kt: torch.Tensor, scale: float, softcap: float, am1_h):
+    """``s = (α-1)·softcap(scale·q·kᵀ)`` (B, Hkv, R·C, keys) of the query rows ``qg`` (B, Hkv, R, C, D) against
+    ``kt`` (B, Hkv, D, keys); ``qs`` = the same rows already multiplied by scale·(α-1) (used without softcap)."""
+    b, hkv, rep, cc, dh = qg.shape
+    if not softcap:
+        return torch.matmul(qs.reshape(b, hkv, rep * cc, dh), kt)
+    s = torch.matmul(qg.reshape(b, hkv, rep * cc, dh), kt).mul_(scale / softcap).tanh_()  # c·tanh(scale·q·k / c)
+    s.view(b, hkv, rep, cc, -1).mul_(softcap * am1_h)
+    return s
+
+
 def _chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask):
     """(row start, rows) of every forward chunk, most expensive first (the workers take them in this order)."""
     out = []
@@ -515,11 +526,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         # 1. scores and tile maxima
         kend = min(ke, skv)  # keys [kend, ke): the padding of the last key tile
         kt = kc[:, :, kb:kend].transpose(-1, -2)
-        if softcap:  # s = (α-1)·c·tanh(scale·q·k / c)
-            s = torch.matmul(qg[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt).mul_(scale / softcap).tanh_()
-            s.view(b, hkv, rep, cc, -1).mul_(softcap * am1_h)
-        else:
-            s = torch.matmul(qs[:, :, :, rows].reshape(b, hkv, rep * cc, dh), kt)
+        s = _scores(qg[:, :, :, rows], qs[:, :, :, rows], kt, scale, softcap, am1_h)
         if kend < ke:
             s = F.pad(s, (0, ke - kend), value=float("-inf"))
         _mask_scores_(s.view(b, hkv, rep, cc, span), a, cc, kb, ke, off, skv, causal, window, first_valid,
@@ -664,13 +671,8 @@ def _one_query_forward(q, k, v, alpha, scale, softcap, mode, want_stats):
     n_rows, nt = b * hq, -(-skv // TILE)
     am1_h = _am1_heads(alpha, ct, hkv, rep, mode)
     qg = q.to(ct).reshape(b, hkv, rep, 1, dh)
-    kt = k.to(ct).transpose(-1, -2)
-    if softcap:  # s = (α-1)·c·tanh(scale·q·k / c)
-        s = torch.matmul(qg.view(b, hkv, rep, dh), kt).mul_(scale / softcap).tanh_()
-        s.view(b, hkv, rep, 1, skv).mul_(softcap * am1_h)
-    else:
-        s = torch.matmul((qg * (scale * am1_h)).view(b, hkv, rep, dh), kt)
-    s = s.reshape(n_rows, skv)
+    qs = qg * (scale * am1_h) if not softcap else qg
+    s = _scores(qg, qs, k.to(ct).transpose(-1, -2), scale, softcap, am1_h).reshape(n_rows, skv)
     tmax = F.pad(s, (0, nt * TILE - skv), value=float("-inf")).view(n_rows, nt, TILE).amax(-1)
     top = tmax.amax(-1)
     rel_max = tmax - top.unsqueeze(-1)
@@ -682,7 +684,7 @@ def _one_query_forward(q, k, v, alpha, scale, softcap, mode, want_stats):
         am1_r = am1_h.expand(b, hkv, rep, 1, 1).reshape(n_rows)
         em1 = 1.0 / am1_r - 1.0
         rel0 = _initial_tau(rel_max, mode, em1.unsqueeze(-1), ct)
-    hi = -torch.pow(torch.full_like(am1_r, float(skv)), -am1_r)
+    hi = -(float(skv) ** -am1_r)
     live = torch.ones(n_rows, dtype=torch.bool)
     rel, updates, _, p, total = _tau_newton(s.sub_(top.unsqueeze(-1)), None, n_rows, torch.minimum(rel0, hi), hi,
                                             live, em1, ct)
