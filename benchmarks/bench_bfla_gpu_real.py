@@ -85,7 +85,7 @@ def _bench_layer(q, k, scale, softcap, cfg) -> dict:
     return row
 
 
-def run(inputs: str, out: str) -> None:
+def run(inputs: str, out: str, prefixes: list[int]) -> None:
     import triton
     from safetensors import safe_open
 
@@ -108,9 +108,13 @@ def run(inputs: str, out: str) -> None:
             q = f.get_tensor(f"q.{i}").to("cuda", torch.bfloat16)
             k = f.get_tensor(f"k.{i}").to("cuda", torch.bfloat16)
             sc = meta.get(f"softcap.{i}")
-            row = _bench_layer(q, k, float(meta[f"scale.{i}"]), float(sc) if sc else None, cfg)
-            res["layers"][str(i)] = row
-            print(json.dumps({"layer": i, **row}), flush=True)
+            for n in sorted({q.shape[2], *(p for p in prefixes if p < q.shape[2])}):
+                # causal: the first n tokens of a capture are what a prefill of n tokens sees
+                qn, kn = q[:, :, :n].contiguous(), k[:, :, :n].contiguous()
+                row = {"tokens": n, **_bench_layer(qn, kn, float(meta[f"scale.{i}"]), float(sc) if sc else None, cfg)}
+                key = str(i) if n == q.shape[2] else f"{i}@{n}"
+                res["layers"][key] = row
+                print(json.dumps({"layer": i, **row}), flush=True)
     with open(out, "w") as fh:
         json.dump(res, fh, indent=1)
 
@@ -126,11 +130,13 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--inputs", required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--prefixes", default="", help="also time the first N tokens of each layer (comma list), e.g. "
+                   "4096,8192: where the plan stops paying on a GPU (the dispatch rule's calibration)")
     a = p.parse_args(argv)
     if a.cmd == "export":
         export(a.model, a.length, [int(x) for x in a.layers.split(",")], a.out)
     else:
-        run(a.inputs, a.out)
+        run(a.inputs, a.out, [int(x) for x in a.prefixes.split(",") if x])
     return 0
 
 

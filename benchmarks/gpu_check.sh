@@ -23,7 +23,7 @@ if ! "$PY" -I -c "import hf_sparse_attn.eval" 2>/dev/null; then  # -I: installed
   export PYTHONPATH="$PKG:${PYTHONPATH:-}"
 fi
 XDIST=""
-"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 12"
 
 status=0
 section() {  # section NAME TIMEOUT_S CMD...   (ONLY="name1 name2": run only those sections)
@@ -56,30 +56,30 @@ cat "$W/env.json"
 # (names survive a timeout); --timeout stops a hanging test.
 TIMEOUT=""
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=100"
-section kernel_tests 200 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cacheprovider -p no:benchmark \
+section kernel_tests 150 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cacheprovider -p no:benchmark \
   tests/test_bfla_triton.py tests/test_bfla_estimate_triton.py tests/test_bfla_plan_triton.py tests/test_windowed.py \
   tests/test_entmax_triton.py tests/test_cuda.py -k "(kernel or cuda or tile) and not interpret" --junitxml="$W/kernel_tests.xml"
+# Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash and AdaSplash (its own script; tests ran above).
+section entmax_bench 130 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
 # bfla on real attention (Q/K captured from SmolLM2 at 16k here; default config) vs SDPA flash.
 for f in gpu_inputs/qk_*.safetensors; do
   [ -f "$f" ] || continue
-  section "real_$(basename "$f" .safetensors)" 50 "$PY" benchmarks/bench_bfla_gpu_real.py run --inputs "$f" \
-    --out "$W/real_$(basename "$f" .safetensors).json"
+  section "real_$(basename "$f" .safetensors)" 70 "$PY" benchmarks/bench_bfla_gpu_real.py run --inputs "$f" \
+    --prefixes 4096,8192 --out "$W/real_$(basename "$f" .safetensors).json"
 done
-# The grid: bf16, causal, D 128, GQA 32/8, 8k..128k: SDPA flash, the BFLA kernel at fixed densities, flex_attention
-# with the same block mask (up to --flex-max), estimator time.
-section bfla_bench 120 "$PY" benchmarks/bench_bfla_gpu.py --out "$W/bfla_bench.json" --budget-s 70 --flex-max 16384
-# Sliding-window layers: masked SDPA (what transformers runs) vs the bfla kernel over the band's tiles, bf16.
-section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
-  --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$W/windowed"
-# Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash (its own script; tests ran above).
-section entmax_bench 180 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
-
 # The plan in two Triton launches (issue 16): launches / aten ops / host syncs of one build_plan call at 8k (PyTorch
 # path vs kernels/bfla_plan.py), then plan time per layer vs SDPA flash, bf16 GQA 32/8 d128, 8k..128k. Targets:
 # <= 0.3 ms per layer at 8k-16k, <= 3 % of flash at >= 32k.
-section plan_counts 60 "$PY" benchmarks/count_plan_ops.py --out "$W/plan_counts.json"
-section plan_time 150 "$PY" benchmarks/count_plan_ops.py --time --lengths 8192,16384,32768,65536,131072 --reps 5 \
+section plan_counts 30 "$PY" benchmarks/count_plan_ops.py --out "$W/plan_counts.json"
+section plan_time 60 "$PY" benchmarks/count_plan_ops.py --time --lengths 8192,16384,32768,65536,131072 --reps 5 \
   --out "$W/plan_time.json"
+
+# The grid: bf16, causal, D 128, GQA 32/8, 8k..128k: SDPA flash, the BFLA kernel at fixed densities, flex_attention
+# with the same block mask (up to --flex-max), estimator time.
+section bfla_bench 75 "$PY" benchmarks/bench_bfla_gpu.py --out "$W/bfla_bench.json" --budget-s 50 --flex-max 16384
+# Sliding-window layers: masked SDPA (what transformers runs) vs the bfla kernel over the band's tiles, bf16.
+section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --dtype bfloat16 \
+  --lengths 16384,32768,65536 --rows 128 --reps 3 --out "$W/windowed"
 
 # Launch settings of the forward kernel per shape, and where the plan's time goes (sets the GPU defaults).
 section tune 130 "$PY" benchmarks/tune_bfla_gpu.py --out "$W/tune.json" --budget-s 90
