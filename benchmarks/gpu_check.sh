@@ -53,12 +53,13 @@ cat "$W/env.json"
 
 # Kernel tests on CUDA: bfla (fwd, bwd, estimator, band path; fp32, fp16, bf16; head_dim 16..256), entmax, and
 # patched tiny models end to end (tests/test_cuda.py). CPU-only tests are left to CI. -v streams one line per test
-# (names survive a timeout); --timeout stops a hanging test.
+# (names survive a timeout); --timeout stops a hanging test. TESTS_K=expr: another -k selection (a rerun).
 TIMEOUT=""
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=100"
 section kernel_tests 150 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cacheprovider -p no:benchmark \
   tests/test_bfla_triton.py tests/test_bfla_estimate_triton.py tests/test_bfla_plan_triton.py tests/test_windowed.py \
-  tests/test_entmax_triton.py tests/test_cuda.py -k "(kernel or cuda or tile) and not interpret" --junitxml="$W/kernel_tests.xml"
+  tests/test_entmax_triton.py tests/test_cuda.py -k "${TESTS_K:-(kernel or cuda or tile) and not interpret}" \
+  --junitxml="$W/kernel_tests.xml"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash and AdaSplash (its own script; tests ran above).
 section entmax_bench 130 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
 # bfla on real attention (Q/K captured from SmolLM2 at 16k here; default config) vs SDPA flash.

@@ -218,10 +218,13 @@ E2E_CASES = [  # (b, hq, hkv, sq, skv, d, block_size, window, first_valid, confi
 ]
 
 
-def _build(q, k, case, backend):
+def _build(q, k, case, backend, fv=None):
+    """``fv``: the padding tensor already on the device (``torch.tensor(list, device=cuda)`` is a host-to-device copy,
+    a synchronizing call: made outside a sync check); None: from ``case``."""
     b, hq, hkv, sq, skv, d, bs, window, pad, over = case
     cfg = bfla.BflaConfig(**{**dict(block_size=bs, min_seq_len=0, backend=backend), **over})
-    fv = None if pad is None else torch.tensor(pad, device=DEVICE)
+    if fv is None and pad is not None:
+        fv = torch.tensor(pad, device=DEVICE)
     return bfla.build_plan(q, k, scale=d**-0.5, softcap=None, sliding_window=window or None, config=cfg,
                            first_valid=fv)
 
@@ -280,11 +283,12 @@ def test_plan_kernel_build_plan_equal_two_launches_no_sync(case, monkeypatch):
 def test_plan_kernels_no_sync_cuda():
     case = (1, 32, 8, 2000, 2000, 128, 128, 0, (333,), dict(keep_mass=0.9))
     q, k = _qk(*case[:7], dtype=torch.bfloat16)
-    _build(q, k, case, "auto")  # compile outside the check
+    fv = torch.tensor(case[8], device=DEVICE)  # the padding's copy to the GPU syncs: outside the check
+    _build(q, k, case, "auto", fv)  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        plan = _build(q, k, case, "auto")
+        plan = _build(q, k, case, "auto", fv)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = _build(q, k, case, "torch")

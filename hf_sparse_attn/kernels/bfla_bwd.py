@@ -190,7 +190,7 @@ def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_s
     ``first_valid (B,)``: left padding (None: none)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    bm, bn = tile_sizes(block_size, d, compiled_on_cuda(q))
+    bm, bn = tile_sizes(block_size, d, compiled_on_cuda(q), q.element_size())
     bm, bn = block_m or bm, block_n or bn
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1).contiguous()

@@ -174,11 +174,14 @@ def compiled_on_cuda(q: torch.Tensor) -> bool:
     return q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def tile_sizes(block_size: int, head_dim: int, on_cuda: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the backward kernels: both divide ``block_size``."""
-    if head_dim > 128:
-        return min(64, block_size), min(32, block_size)
-    return min(128 if on_cuda else 64, block_size), min(64, block_size)
+def tile_sizes(block_size: int, head_dim: int, on_cuda: bool, itemsize: int = 2) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the backward kernels: both divide ``block_size``. A query tile holds at most 32 KB of
+    Q (``BLOCK_M * head_dim * itemsize``), so fp32 takes half the rows of bf16/fp16 from head_dim 128 on: at 128
+    rows its dK/dV kernel needs 224 KB of shared memory (sm_90 compile), all but 3 KB of an H200's 227 KB; 64 rows
+    need 144 KB (``tests/test_triton_sm90_compile.py`` checks every launch against the limit)."""
+    bn = min(64 if head_dim <= 128 else 32, block_size)
+    fit = 1 << ((32768 // (head_dim * itemsize)).bit_length() - 1)  # a power of two
+    return min(128 if on_cuda else 64, max(16, fit), block_size), bn
 
 
 def fwd_tiles(group: int, block_size: int, head_dim: int, on_cuda: bool,

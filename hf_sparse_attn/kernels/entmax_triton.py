@@ -117,9 +117,10 @@ def _pow_terms(d, em1, MODE: tl.constexpr):
 # an absolute grid. The window [m - 1, m] of a row (m its running max; τ lies in it) spans HIST_PER_UNIT + 1 bins, the
 # packed counters are shifted down by whole bins when m grows, and flushed into int32 counters every HIST_FIELDS - 1
 # key tiles (a lane counts at most one score per tile, so a field never overflows).
-HIST_FIELDS = 16
-HIST_PER_UNIT = 15
-_HIST_NEWTON = 24  # Newton steps on the histogram for the lower bound (no K loads; (BLOCK_M, 16) values)
+# tl.constexpr: a compiled kernel may read a module global only as a constexpr (the interpreter does not check)
+HIST_FIELDS = tl.constexpr(16)
+HIST_PER_UNIT = tl.constexpr(15)
+_HIST_NEWTON = tl.constexpr(24)  # Newton steps on the histogram for the lower bound (no K loads; (BLOCK_M, 16) values)
 
 
 @triton.jit
@@ -164,8 +165,12 @@ def _hist_root(cnt, base, top, fidx, em1, at, MODE: tl.constexpr):
 
 @triton.jit
 def _per_head(x, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Max of a per-row value ``x`` (GROUP·BLOCK_M,) over each head's BLOCK_M rows -> (GROUP,)."""
-    return tl.max(tl.reshape(x, [GROUP, BLOCK_M]), 1)
+    """Max of a per-row value ``x >= 0`` (GROUP·BLOCK_M,) over each head's BLOCK_M rows -> (GROUP,). A (GROUP,
+    GROUP·BLOCK_M) select rather than ``tl.reshape``: Triton 3.6 fails to compile the reshape of a reduced row vector
+    (assertion in ``combineCtaCgaWithShape``, seen on an H200 on 2026-12-04)."""
+    head_of_row = tl.arange(0, GROUP * BLOCK_M) // BLOCK_M
+    mine = tl.arange(0, GROUP)[:, None] == head_of_row[None, :]
+    return tl.max(tl.where(mine, x[None, :], 0), 1)
 
 
 @triton.jit
@@ -283,44 +288,45 @@ def _entmax_fwd_kernel(
     su = tl.zeros([GROUP * BLOCK_M], tl.float32)
     supp = tl.zeros([GROUP * BLOCK_M], tl.float32)
     err = 0.0
-    while go > 0:
-        acc = tl.zeros([GROUP * BLOCK_M, HEAD_DIM], tl.float32)
-        total = tl.zeros([GROUP * BLOCK_M], tl.float32)
-        su = tl.zeros([GROUP * BLOCK_M], tl.float32)
-        supp = tl.zeros([GROUP * BLOCK_M], tl.float32)
-        for start in range(lo_key, hi_key, BLOCK_N):
-            state = tl.load(TILES + tile_rows + start // BLOCK_N, mask=g_ok, other=0)
-            if tl.max(state, 0) >= 2:
-                offs_n = start + offs_nb
-                s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window,
-                                               fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
-                d = tl.maximum(s - t[:, None], 0.0)
-                d_max = tl.max(d, 1)
-                nz_head = _per_head(d_max, GROUP, BLOCK_M) > 0
-                cand = g_ok & (state >= 2)
-                tl.store(TILES + tile_rows + start // BLOCK_N, tl.where(nz_head, 2, 3).to(tl.uint8), mask=cand)
-                if COUNT:
-                    tl.store(VISITS + tile_rows + start // BLOCK_N, tl.where(nz_head, 1, 0).to(tl.uint8), mask=cand)
-                if tl.max(d_max, 0) > 0:
-                    p, u = _pow_terms(d, em1c, MODE)
-                    total += tl.sum(p, 1)
-                    su += tl.sum(u, 1)
-                    supp += tl.sum(tl.where(p > 0, 1.0, 0.0), 1)
-                    vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd,
-                                 mask=(offs_n < skv)[:, None], other=0.0)
-                    if FP32:
-                        acc += tl.dot(p, vt, input_precision="ieee")
-                    else:
-                        acc += tl.dot(p.to(vt.dtype), vt)
-        passes += 1
-        f = tl.where(live, total - 1.0, 0.0)
-        err = tl.max(tl.abs(f), 0)
-        off = tl.abs(f) > tol
-        new = tl.maximum(t + f / tl.maximum(su * (em1 + 1.0), 1e-30), tau_cand)
-        moved = tl.max(tl.where(off & (tl.abs(new - t) > 1e-7 * tl.maximum(tl.abs(t), 1.0)), 1, 0), 0)
-        go = tl.where((err > tol) & (passes < max_iter) & (moved > 0), 1, 0)
-        t = tl.where(off & (go > 0), new, t)
-        tl.debug_barrier()
+    for _pass in range(0, max_iter):  # at most max_iter output passes; the ones after convergence do nothing
+        if go > 0:
+            acc = tl.zeros([GROUP * BLOCK_M, HEAD_DIM], tl.float32)
+            total = tl.zeros([GROUP * BLOCK_M], tl.float32)
+            su = tl.zeros([GROUP * BLOCK_M], tl.float32)
+            supp = tl.zeros([GROUP * BLOCK_M], tl.float32)
+            for start in range(lo_key, hi_key, BLOCK_N):
+                state = tl.load(TILES + tile_rows + start // BLOCK_N, mask=g_ok, other=0)
+                if tl.max(state, 0) >= 2:
+                    offs_n = start + offs_nb
+                    s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window,
+                                                   fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+                    d = tl.maximum(s - t[:, None], 0.0)
+                    d_max = tl.max(d, 1)
+                    nz_head = _per_head(d_max, GROUP, BLOCK_M) > 0
+                    cand = g_ok & (state >= 2)
+                    tl.store(TILES + tile_rows + start // BLOCK_N, tl.where(nz_head, 2, 3).to(tl.uint8), mask=cand)
+                    if COUNT:
+                        tl.store(VISITS + tile_rows + start // BLOCK_N, tl.where(nz_head, 1, 0).to(tl.uint8), mask=cand)
+                    if tl.max(d_max, 0) > 0:
+                        p, u = _pow_terms(d, em1c, MODE)
+                        total += tl.sum(p, 1)
+                        su += tl.sum(u, 1)
+                        supp += tl.sum(tl.where(p > 0, 1.0, 0.0), 1)
+                        vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd,
+                                     mask=(offs_n < skv)[:, None], other=0.0)
+                        if FP32:
+                            acc += tl.dot(p, vt, input_precision="ieee")
+                        else:
+                            acc += tl.dot(p.to(vt.dtype), vt)
+            passes += 1
+            f = tl.where(live, total - 1.0, 0.0)
+            err = tl.max(tl.abs(f), 0)
+            off = tl.abs(f) > tol
+            new = tl.maximum(t + f / tl.maximum(su * (em1 + 1.0), 1e-30), tau_cand)
+            moved = tl.max(tl.where(off & (tl.abs(new - t) > 1e-7 * tl.maximum(tl.abs(t), 1.0)), 1, 0), 0)
+            go = tl.where((err > tol) & (passes < max_iter) & (moved > 0), 1, 0)
+            t = tl.where(off & (go > 0), new, t)
+            tl.debug_barrier()
     for start in range(lo_key, hi_key, BLOCK_N):  # candidates left without weight: visible, all zero
         state = tl.load(TILES + tile_rows + start // BLOCK_N, mask=g_ok, other=0)
         tl.store(TILES + tile_rows + start // BLOCK_N, tl.full([GROUP], 1, tl.uint8), mask=g_ok & (state == 3))

@@ -1,0 +1,107 @@
+"""Every Triton kernel launch of the GPU paths compiles for sm_90 (Hopper) through Triton's own ptxas, on a machine
+without a GPU, and fits an H200's shared memory.
+
+The interpreter runs the kernels' arithmetic but not the compiler: what only compiling catches (a module global that
+is not a constexpr, types that differ across branches, a tile too large for shared memory) used to surface on the
+rare GPU session. Here each launch a GPU run would make (``kernel[grid](*args, **constexprs)``) is captured and
+compiled ahead of time for ``GPUTarget("cuda", 90, 32)`` with the launch's own constexprs and argument types;
+nothing runs. Slow (Triton compiles on one core): marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles the real kernels"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the CUDA tests run the kernels themselves"),
+]
+
+H200_SHARED = 232448  # bytes of shared memory a block may use (227 KB)
+_PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.uint8: "*u8",
+        torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
+
+
+def _arg_type(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return _PTR[x.dtype]
+    if isinstance(x, bool):
+        return "i1"
+    if isinstance(x, int):
+        return "i32" if -(2**31) <= x < 2**31 else "i64"
+    if isinstance(x, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(x).__name__}")
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Launches compile for sm_90 instead of running; yields the list of (kernel name, shared bytes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import KernelInterface
+
+    compiled: list[tuple[str, int]] = []
+
+    def getitem(self, grid):
+        def launch(*args, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            names = self.arg_names
+            values = dict(zip(names, args, strict=False)) | kwargs
+            consts = {n: values[n] for n in names if n in kwargs or values[n] is None}
+            sig = {n: "constexpr" if n in consts else _arg_type(values[n]) for n in names}
+            src = ASTSource(fn=self, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+            kernel = compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            assert "cubin" in kernel.asm
+            compiled.append((self.__name__, int(kernel.metadata.shared)))
+
+        return launch
+
+    monkeypatch.setattr(KernelInterface, "__getitem__", getitem)
+    return compiled
+
+
+def _check(compiled, expected: set[str]):
+    assert {name for name, _ in compiled} == expected
+    for name, shared in compiled:
+        assert shared <= H200_SHARED, f"{name} needs {shared} bytes of shared memory (H200: {H200_SHARED})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_entmax_kernels_compile_for_sm90(sm90, dtype, mode):
+    """The entmax forward, dQ and dK/dV kernels (each α mode: general, 1.5, 2), GQA 4, softcap, head_dim 128."""
+    from hf_sparse_attn.kernels import entmax_triton as KT
+
+    b, hq, hkv, s, d = 1, 8, 2, 256, 128
+    q, k, v = (torch.zeros(b, h, s, d, dtype=dtype) for h in (hq, hkv, hkv))
+    alpha = torch.full((hq,), 1.5)
+    n_valid = torch.arange(1, s + 1, dtype=torch.float32)[None]
+    out, tau, norm, _, tiles, _ = KT.forward(q, k, v, alpha, n_valid, None, d**-0.5, 30.0, 0, mode)
+    KT.backward(out, q, k, v, alpha, tau, norm, tiles, None, d**-0.5, 30.0, 0, mode, True)
+    _check(sm90, {"_entmax_fwd_kernel", "_entmax_bwd_dq_kernel", "_entmax_bwd_dkdv_kernel"})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_bfla_kernels_compile_for_sm90(sm90, monkeypatch, dtype, head_dim):
+    """bfla's forward, dQ and dK/dV kernels with the tiles a GPU run picks (block 128), fp32 included: fp32 at
+    head_dim 128 once asked for more shared memory than an H200 has."""
+    from hf_sparse_attn.kernels import bfla_bwd, bfla_fwd
+
+    monkeypatch.setattr(bfla_bwd, "compiled_on_cuda", lambda q: True)
+    b, hq, hkv, s, bs = 1, 8, 2, 256, 128
+    q, k, v = (torch.zeros(b, h, s, head_dim, dtype=dtype) for h in (hq, hkv, hkv))
+    nq = s // bs
+    counts = torch.full((b, hkv, nq), 1, dtype=torch.int32)
+    ids = torch.zeros((b, hkv, nq, nq), dtype=torch.int32)
+    bm, bn, hpt = bfla_fwd.fwd_tiles(hq // hkv, bs, head_dim, True)
+    o, lse = bfla_fwd._launch_fwd(q, k, v, counts, ids, head_dim**-0.5, 0.0, 0, bs, bm, bn, hpt)
+    bfla_bwd.triton_bwd(o, q, k, v, o, lse.float(), counts, ids, head_dim**-0.5, 0.0, 0, bs)
+    _check(sm90, {"_bfla_fwd_kernel", "_bfla_bwd_dq_kernel", "_bfla_bwd_dkdv_kernel"})
