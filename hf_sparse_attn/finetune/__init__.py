@@ -76,7 +76,8 @@ tiles). The tile *selection* is not differentiated: it is a discrete choice made
 under ``torch.no_grad``, so gradients flow through the kept tiles only, as if the dropped tiles had zero
 attention (the training approximation every block-sparse method makes). The selection is deterministic, so
 gradient checkpointing recomputes the same mask and gives the same gradients (tested). Sequences shorter than
-bfla's ``min_seq_len`` (default 4096) take its dense path; lower it in ``--method-config`` to train sparse.
+bfla's ``min_seq_len`` (default 6144 on CPU, 32768 on CUDA) take its dense path; lower it in ``--method-config``
+to train sparse.
 
 Outputs (``--output-dir``, written by the main process):
 

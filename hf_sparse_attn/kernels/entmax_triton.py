@@ -49,7 +49,7 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
     The mask (causal, sequence ends, window, left padding) is built only for a tile that needs it: one whose keys
     are all visible to all its rows (the tiles below the diagonal, most of them) takes the scores as they are."""
     if FP32:
-        z = tl.dot(q, tl.trans(k), input_precision="ieee")
+        z = tl.dot(q, tl.trans(k), input_precision=FP32_DOT)
     else:
         z = tl.dot(q, tl.trans(k))
     z = z * scale
@@ -117,6 +117,9 @@ def _pow_terms(d, em1, MODE: tl.constexpr):
 # an absolute grid. The window [m - 1, m] of a row (m its running max; τ lies in it) spans HIST_PER_UNIT + 1 bins, the
 # packed counters are shifted down by whole bins when m grows, and flushed into int32 counters every HIST_FIELDS - 1
 # key tiles (a lane counts at most one score per tile, so a field never overflows).
+# fp32 inputs: products as three TF32 tensor-core passes (≈ fp32 accuracy). "ieee" (FMA) made the sm_90 forward
+# spill 34 KB per thread (ptxas -v, Triton 3.6) and time out on an H200; the interpreter computes in fp32 either way.
+FP32_DOT = tl.constexpr("tf32x3")
 # tl.constexpr: a compiled kernel may read a module global only as a constexpr (the interpreter does not check)
 HIST_FIELDS = tl.constexpr(16)
 HIST_PER_UNIT = tl.constexpr(15)
@@ -315,7 +318,7 @@ def _entmax_fwd_kernel(
                         vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd,
                                      mask=(offs_n < skv)[:, None], other=0.0)
                         if FP32:
-                            acc += tl.dot(p, vt, input_precision="ieee")
+                            acc += tl.dot(p, vt, input_precision=FP32_DOT)
                         else:
                             acc += tl.dot(p.to(vt.dtype), vt)
             passes += 1
@@ -391,7 +394,7 @@ def _entmax_bwd_dq_kernel(
             _p, u = _pow_terms(d, em1, MODE)
             vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
             if FP32:
-                g = tl.dot(do, tl.trans(vt), input_precision="ieee")
+                g = tl.dot(do, tl.trans(vt), input_precision=FP32_DOT)
             else:
                 g = tl.dot(do, tl.trans(vt))
             su += tl.sum(u, 1)
@@ -417,14 +420,14 @@ def _entmax_bwd_dq_kernel(
             p = p * inv_norm[:, None]
             vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
             if FP32:
-                g = tl.dot(do, tl.trans(vt), input_precision="ieee")
+                g = tl.dot(do, tl.trans(vt), input_precision=FP32_DOT)
             else:
                 g = tl.dot(do, tl.trans(vt))
             dz = u * (g - delta[:, None])
             if HAS_SOFTCAP:
                 dz = dz * (1.0 - t * t)
             if FP32:
-                dq += tl.dot(dz, kt, input_precision="ieee")
+                dq += tl.dot(dz, kt, input_precision=FP32_DOT)
             else:
                 dq += tl.dot(dz.to(kt.dtype), kt)
             if NEED_DALPHA:
@@ -494,8 +497,8 @@ def _entmax_bwd_dkdv_kernel(
                 do = tl.load(DO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
                 delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
                 if FP32:
-                    g = tl.dot(do, tl.trans(vt), input_precision="ieee")
-                    dv += tl.dot(tl.trans(p), do, input_precision="ieee")
+                    g = tl.dot(do, tl.trans(vt), input_precision=FP32_DOT)
+                    dv += tl.dot(tl.trans(p), do, input_precision=FP32_DOT)
                 else:
                     g = tl.dot(do, tl.trans(vt))
                     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
@@ -503,7 +506,7 @@ def _entmax_bwd_dkdv_kernel(
                 if HAS_SOFTCAP:
                     dz = dz * (1.0 - t * t)
                 if FP32:
-                    dk += tl.dot(tl.trans(dz), q, input_precision="ieee")
+                    dk += tl.dot(tl.trans(dz), q, input_precision=FP32_DOT)
                 else:
                     dk += tl.dot(tl.trans(dz.to(q.dtype)), q)
     out = bhk * skv + offs_n

@@ -56,7 +56,16 @@ from ..base import TRITON_HEAD_DIMS
 from ..dense import dense_attention
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import sparse_attention_flex
-from .config import BACKENDS, ESTIMATORS, HEAD_LISTS, BflaConfig, lists_per_query_head, use_triton
+from .config import (
+    BACKENDS,
+    ESTIMATORS,
+    HEAD_LISTS,
+    MIN_SEQ_LEN,
+    BflaConfig,
+    lists_per_query_head,
+    min_seq_len,
+    use_triton,
+)
 from .dispatch import METHOD, attend, bfla_attention, layer_stats, make_plan
 from .estimate import _estimate_rows, estimate_block_mass, exact_block_mass
 from .reference import reference_sparse_bwd, reference_sparse_fwd
@@ -67,6 +76,7 @@ __all__ = [
     "_estimate_rows",
     "ESTIMATORS",
     "METHOD",
+    "MIN_SEQ_LEN",
     "TRITON_HEAD_DIMS",
     "BflaConfig",
     "BflaPlan",
@@ -85,6 +95,7 @@ __all__ = [
     "lists_per_query_head",
     "make_plan",
     "mass_density",
+    "min_seq_len",
     "plan_density",
     "plan_keep",
     "reference_sparse_bwd",

@@ -50,7 +50,14 @@ class BflaConfig(MethodConfig):
     * ``flat_entropy=0.8``: measured per head, the mean normalized entropy of the estimated block distribution
       tracks the density the head needs: heads above 0.8 (e.g. most of layer 0) need 75–90 % of the blocks, where
       the sparse path is slower than dense and saves nothing, so the whole KV head runs densely (exact).
-    * ``min_seq_len=6144``: where the whole prefill starts to gain. SmolLM2 end-to-end prefill, bfla ÷ dense speed at
+    * ``min_seq_len=None``: the device's default, :data:`MIN_SEQ_LEN` — 6144 on CPU, 32768 on CUDA; an int applies
+      on every device. CUDA (H200, bf16, 2026-12-04, ``benchmarks/gpu_check.sh``, against what the dense path
+      runs: SDPA with its own backend choice, 1.65–1.7× faster than SDPA's flash backend there): SmolLM2 Q/K
+      (9/3 heads, d 64) at the default config, plan + kernel ÷ dense speed 0.14–0.29× at 4k, 0.39–0.42× at 8k,
+      0.69–0.71× at 16k (density 0.28–0.31; the plan alone 0.40 ms = 56 % of dense); 32/8 heads, d 128: the
+      plan is 36 % / 26 % / 18 % of dense at 8k / 16k / 32k, and plan + kernel at density 0.32 is 1.09× / 1.29×
+      dense at 16k / 32k (8k at 0.39: 0.92×). Below 32k the gain is too thin or negative, so the dense path runs.
+      CPU: where the whole prefill starts to gain. SmolLM2 end-to-end prefill, bfla ÷ dense speed at
       2 threads on an idle 2-core CPU (``hf-sparse-attn bench --no-op``, prose / random tokens, 2026-12-02): 4k
       0.93× / 0.94×, 5k 0.94× / 0.93×, 6k 0.99× / 1.02×, 8k 1.14× / 1.10× — the plan (8 sample rows per block,
       ≈ 17 % of a layer's dense time) and the per-block work cost more than the skipped tiles save below ≈ 6k, so
@@ -111,7 +118,7 @@ class BflaConfig(MethodConfig):
     local: int = 1
     dense_last_blocks: int = 1
     flat_entropy: float = 0.8
-    min_seq_len: int = 6144
+    min_seq_len: int | None = None
     estimator: str = "rows"
     rows_per_block: int = 8
     antidiag_stride: int = 16
@@ -134,7 +141,8 @@ class BflaConfig(MethodConfig):
         _check_int("local", self.local, -1, _BIG)
         _check_int("dense_last_blocks", self.dense_last_blocks, 0, _BIG)
         check_range("flat_entropy", self.flat_entropy, 0.0, 1.0)
-        _check_int("min_seq_len", self.min_seq_len, 0, _BIG)
+        if self.min_seq_len is not None:
+            _check_int("min_seq_len", self.min_seq_len, 0, _BIG)
         check_choice("estimator", self.estimator, ESTIMATORS)
         _check_int("rows_per_block", self.rows_per_block, 1, self.block_size)
         check_choice("antidiag_stride", self.antidiag_stride, (1, 2, 4, 8, 16, 32, 64))
@@ -148,6 +156,17 @@ class BflaConfig(MethodConfig):
         check_choice("head_lists", self.head_lists, HEAD_LISTS)
         if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
             raise ValueError(f"profile={self.profile!r} is not allowed; allowed: None or the path of a profile JSON")
+
+
+MIN_SEQ_LEN = {"cpu": 6144, "cuda": 32768}  # min_seq_len=None: the default of each device (see BflaConfig)
+
+
+def min_seq_len(config: BflaConfig, device: torch.device) -> int:
+    """The shortest prefill that runs the sparse path on ``device``: ``config.min_seq_len``, or the device's default
+    (:data:`MIN_SEQ_LEN`; devices not listed take the CPU figure)."""
+    if config.min_seq_len is not None:
+        return config.min_seq_len
+    return MIN_SEQ_LEN.get(device.type, MIN_SEQ_LEN["cpu"])
 
 
 def lists_per_query_head(hq: int, hkv: int, config: BflaConfig) -> bool:

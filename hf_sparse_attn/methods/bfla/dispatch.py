@@ -13,7 +13,7 @@ from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
 from ..dense import METHOD as DENSE
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
-from .config import BflaConfig, lists_per_query_head, use_triton
+from .config import BflaConfig, lists_per_query_head, min_seq_len, use_triton
 from .cpu_threads import build_plan_parallel
 from .estimate import fused_rows_ok
 from .select import build_plan
@@ -26,8 +26,10 @@ def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None, 
         return False, None, "layer not eligible (sliding-window or sink layer)"
     if sq <= 1:
         return False, None, "decode (one query)"
-    if sq < config.min_seq_len:
-        return False, None, f"sequence length {sq} < min_seq_len {config.min_seq_len}"
+    shortest = min_seq_len(config, q.device)
+    if sq < shortest:
+        default = "" if config.min_seq_len is not None else f" (the {q.device.type} default)"
+        return False, None, f"sequence length {sq} < min_seq_len {shortest}{default}"
     if not causal:
         return False, "bfla: non-causal attention runs the exact dense path", "non-causal attention"
     if mask is not None and not isinstance(mask, LeftPadding):  # left padding runs sparse (plan.first_valid)
