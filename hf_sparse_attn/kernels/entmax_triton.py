@@ -113,13 +113,14 @@ def _pow_terms(d, em1, MODE: tl.constexpr):
     return u * d, u
 
 
+# fp32 inputs: products as three TF32 tensor-core passes (≈ fp32 accuracy). "ieee" (FMA) made the sm_90 forward
+# spill 34 KB per thread (ptxas -v, Triton 3.6) and time out on an H200; the interpreter computes in fp32 either way.
+FP32_DOT = tl.constexpr("tf32x3")
+
 # Histogram of pass A: 16 four-bit counters packed in one uint64 per (row, key lane), bins of width 1/HIST_PER_UNIT on
 # an absolute grid. The window [m - 1, m] of a row (m its running max; τ lies in it) spans HIST_PER_UNIT + 1 bins, the
 # packed counters are shifted down by whole bins when m grows, and flushed into int32 counters every HIST_FIELDS - 1
 # key tiles (a lane counts at most one score per tile, so a field never overflows).
-# fp32 inputs: products as three TF32 tensor-core passes (≈ fp32 accuracy). "ieee" (FMA) made the sm_90 forward
-# spill 34 KB per thread (ptxas -v, Triton 3.6) and time out on an H200; the interpreter computes in fp32 either way.
-FP32_DOT = tl.constexpr("tf32x3")
 # tl.constexpr: a compiled kernel may read a module global only as a constexpr (the interpreter does not check)
 HIST_FIELDS = tl.constexpr(16)
 HIST_PER_UNIT = tl.constexpr(15)
@@ -168,12 +169,8 @@ def _hist_root(cnt, base, top, fidx, em1, at, MODE: tl.constexpr):
 
 @triton.jit
 def _per_head(x, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Max of a per-row value ``x >= 0`` (GROUP·BLOCK_M,) over each head's BLOCK_M rows -> (GROUP,). A (GROUP,
-    GROUP·BLOCK_M) select rather than ``tl.reshape``: Triton 3.6 fails to compile the reshape of a reduced row vector
-    (assertion in ``combineCtaCgaWithShape``, seen on an H200 on 2026-12-04)."""
-    head_of_row = tl.arange(0, GROUP * BLOCK_M) // BLOCK_M
-    mine = tl.arange(0, GROUP)[:, None] == head_of_row[None, :]
-    return tl.max(tl.where(mine, x[None, :], 0), 1)
+    """Max of a per-row value ``x`` (GROUP·BLOCK_M,) over each head's BLOCK_M rows -> (GROUP,)."""
+    return tl.max(tl.reshape(x, [GROUP, BLOCK_M]), 1)
 
 
 @triton.jit
