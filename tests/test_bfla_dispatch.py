@@ -85,6 +85,27 @@ def test_min_seq_len_none_takes_the_device_default():
         bfla.BflaConfig(min_seq_len=-1)
 
 
+def test_dense_density_none_takes_the_device_default():
+    """``dense_density=None`` (the default): 0.7 on CPU, 0.55 on CUDA (where SDPA's default backend takes 0.6 of
+    flash's time and the kernel ≈ 0.9 × density of it, H200); an explicit value applies on every device."""
+    cfg = bfla.BflaConfig()
+    assert cfg.dense_density is None
+    assert bfla.dense_density(cfg, torch.device("cpu")) == 0.7
+    assert bfla.dense_density(cfg, torch.device("cuda")) == 0.55
+    assert bfla.dense_density(bfla.BflaConfig(dense_density=0.9), torch.device("cuda")) == 0.9
+    q, k, v = _qkv(flat=True)
+    with torch.no_grad():
+        out, st = _run(q, k, v, keep_mass=0.8, dense_density=None)
+    assert st["selected_density"] > 0.7
+    assert st["path"] == "dense"
+    assert st["dense_reason"] == f"selected density {st['selected_density']:.2f} > dense_density 0.7 (the cpu default)"
+    assert torch.equal(out, dense_attention(q, k, v, None, scale=0.25))
+    q, k, v = _qkv()  # a sparse selection stays sparse under the default
+    with torch.no_grad():
+        _, st = _run(q, k, v, dense_density=None)
+    assert st["selected_density"] <= 0.7 and st["path"] == "sparse"
+
+
 def test_training_keeps_the_sparse_pattern():
     """Under autograd the rule does not apply: a fine-tune trains through the pattern it will run with."""
     q, k, v = _qkv(flat=True, grad=True)

@@ -317,37 +317,3 @@ def test_plan_kernels_under_interpreter():
 def test_plan_kernels_large_under_interpreter():
     """The CUDA-sized select cases (``SELECT_LARGE``) under TRITON_INTERPRET=1 (a few minutes)."""
     _run_interpreted("slow")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(INTERPRET, reason="compiles the real kernels (TRITON_INTERPRET unset)")
-def test_plan_kernels_compile_for_sm90_without_gpu():
-    """Both plan kernels compile for sm_90 (Hopper) through Triton's own ptxas, with no GPU present: catches what the
-    interpreter cannot (types across branches, register spills). About a minute on one core."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    import hf_sparse_attn.kernels.bfla_plan as plan
-
-    def build(fn, types, consts, num_warps):
-        sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-        kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-        assert "cubin" in kernel.asm and triton.__version__
-
-    i32 = "i32"
-    sel = {n: i32 for n in plan._plan_select_kernel.arg_names}
-    sel.update(MASS="*fp32", ENT="*fp32", BUDGET="*i32", FV="*i64", COUNTS="*i32", IDS="*i32", max_density="fp32")
-    for nk_pad, rep in ((128, 4), (1024, 8)):
-        hpt = plan.select_heads(rep, nk_pad)
-        build(plan._plan_select_kernel, sel, dict(
-            HAS_WINDOW=True, HAS_PAD=True, KEEP_ALL=False, PER_HEAD=True, HAS_LOCAL=True, HAS_FLAT=True, BLOCK_SIZE=128,
-            NK_PAD=nk_pad, HPT=hpt, NQ_CHUNK=256, MASS_SCALE=float(2**24), MASS_BITS=24, ENT_SCALE=float(2**20),
-            ALL_BUDGET=2**31 - 1), max(1, min(8, hpt * nk_pad // 256)))
-    est = {n: i32 for n in plan._plan_estimate_kernel.arg_names}
-    est.update(Q="*bf16", K="*bf16", MASS="*fp32", ENT="*fp32", SCR="*fp32", FV="*i64", scale="fp32", softcap="fp32")
-    r_pad, hpt, qbp, bn = plan.estimate_tiles(4, 4, 128, 128)
-    build(plan._plan_estimate_kernel, est, dict(
-        HAS_SOFTCAP=True, HAS_WINDOW=True, HAS_PAD=True, DOT_PREC="tf32", BLOCK_SIZE=128, R_PAD=r_pad, HPT=hpt, QBP=qbp,
-        BLOCK_N=bn, HEAD_DIM=128, D_PAD=128), 4)

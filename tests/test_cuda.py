@@ -126,3 +126,21 @@ def test_left_padded_sliding_prefill_takes_the_triton_band_on_cuda(monkeypatch):
     assert calls and all(c is not None for c in calls)
     real = am.bool()
     assert _max_diff(got[real], ref[real]) <= TOL[torch.float32] * max(1.0, ref.abs().max().item())
+
+
+def test_density_rule_reads_the_density_on_cuda_and_is_skipped_under_graph_capture():
+    """On CUDA the rule reads the plan's density on the host (one sync); inside CUDA-graph capture it cannot, so
+    the layer keeps the sparse kernel (logged once) instead of failing the capture."""
+    from hf_sparse_attn.methods import bfla
+    from hf_sparse_attn.methods.bfla.dispatch import _density_rule, make_plan
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 512, 64, generator=g).cuda() for h in (4, 2, 2))
+    cfg = bfla.BflaConfig(block_size=64, min_seq_len=0, dense_density=0.0)
+    plan = make_plan(q, k, scale=0.125, config=cfg)
+    with torch.no_grad():
+        assert _density_rule(q, k, v, plan, cfg).startswith("selected density")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            skipped = _density_rule(q, k, v, plan, cfg)
+    assert skipped is None

@@ -58,10 +58,12 @@ from .attend_cpu import sparse_attention_cpu
 from .attend_flex import sparse_attention_flex
 from .config import (
     BACKENDS,
+    DENSE_DENSITY,
     ESTIMATORS,
     HEAD_LISTS,
     MIN_SEQ_LEN,
     BflaConfig,
+    dense_density,
     lists_per_query_head,
     min_seq_len,
     use_triton,
@@ -73,6 +75,7 @@ from .select import build_plan, captured_mass, flat_heads, mass_density, rescue_
 
 __all__ = [
     "BACKENDS",
+    "DENSE_DENSITY",
     "_estimate_rows",
     "ESTIMATORS",
     "METHOD",
@@ -88,6 +91,7 @@ __all__ = [
     "captured_mass",
     "compact",
     "dense_attention",
+    "dense_density",
     "estimate_block_mass",
     "exact_block_mass",
     "flat_heads",

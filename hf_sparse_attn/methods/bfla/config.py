@@ -70,22 +70,32 @@ class BflaConfig(MethodConfig):
       malformed file: a clear error). Layers the profile does not list keep ``keep_mass``.
       ``keep_mass`` may also be a tuple with one value per query head (what a profile gives each layer).
 
-    * ``dense_density=0.7`` — the "never slower than dense" rule (CPU inference; training keeps its sparse
-      pattern): after the plan, a layer whose selected density (kept / causal tiles, rescues included, mean over
-      batch rows and KV heads) exceeds it runs the exact dense path instead, reported by ``handle.stats()`` per
-      layer as ``path="dense"`` with ``dense_reason``. Measured on SmolLM2 Q/K/V (2 threads, the worker-pool
-      path, a loaded machine: ratios side by side): the sparse pass (plan included) breaks even with dense SDPA at
-      a density of ≈ 0.6–0.75 at 4k and ≈ 0.6–0.7 at 8k (4k: 1.12× at 0.59, 0.96× at 0.69, 0.95× at 0.77, 0.83×
-      at 1.0; 8k: 1.11× at 0.57, 1.19–1.32× at 0.46, 0.95× at 1.0). Flat layers (SmolLM2 layer 0) and Gemma 3
-      270M's full-attention layers (one KV head for 4 query heads: density 0.82–0.88 at 8k–16k) therefore run
-      dense; the plan (≈ 3–10 % of that layer's dense time) is the only cost left there. ``dense_density=1.0``
-      disables the rule (the sparse kernel always runs; what the keep-all tests use). Below ``min_seq_len`` no plan
-      is built at all. On CUDA the rule is not applied (it would need a host read of the density).
-      The default was 0.6 until 2026-12-02; with it about six SmolLM2 layers per 8k prompt ran dense, and the attended
-      density was 0.522 (12 RULER samples, ``benchmarks/density_rules.py``) against 0.486 at 0.7. The six-task grid
-      at 0.7 (10 samples per task): 8k 35.7 vs dense 36.5 at attended density 0.486 (0.6: 35.7 at ≈ 0.52), 4k 48.2 vs
-      49.0 at 0.68 (0.6: 47.8). Prefill at 2 threads, idle (``hf-sparse-attn bench --no-op``): 4k 0.93× / 0.94× of
-      dense speed (prose / random tokens; 0.6: 0.87× / 0.91×), 8k 1.14× / 1.10× (0.6: 1.14× / 1.24×).
+    * ``dense_density=None`` — the "never slower than dense" rule (inference; training keeps its sparse pattern):
+      after the plan, a layer whose selected density (kept / causal tiles, rescues included, mean over batch rows
+      and KV heads) exceeds it runs the exact dense path instead, reported by ``handle.stats()`` per layer as
+      ``path="dense"`` with ``dense_reason``. ``None`` is the device's default, :data:`DENSE_DENSITY`: **0.7 on
+      CPU, 0.55 on CUDA**; a number applies on every device; ``1.0`` disables the rule (the sparse kernel always
+      runs; what the keep-all tests use).
+      CPU (SmolLM2 Q/K/V, 2 threads, the worker-pool path, a loaded machine, ratios side by side): the sparse pass
+      (plan included) breaks even with dense SDPA at a density of ≈ 0.6–0.75 at 4k and ≈ 0.6–0.7 at 8k (4k: 1.12×
+      at 0.59, 0.96× at 0.69, 0.95× at 0.77, 0.83× at 1.0; 8k: 1.11× at 0.57, 1.19–1.32× at 0.46, 0.95× at 1.0).
+      Flat layers (SmolLM2 layer 0) and Gemma 3 270M's full-attention layers (density 0.82–0.88 at 8k–16k) run
+      dense; the plan (≈ 3–10 % of that layer's dense time) is the only cost left there. Since the fused pass
+      (2026-12-04, idle, all 30 SmolLM2 layers at 8k: pass ≈ 1.07 × density × dense) the SmolLM2 break-even lies
+      near 0.9, but 0.8 measured no faster than 0.7 end to end (1.32× / 1.34× vs 1.35× / 1.33× dense, prose /
+      random), and Gemma 3 270M's full layers (head dim 256, per-head lists) cost 1.2–1.4 × density × dense
+      (layers 5 / 11 / 17 at 8k: 701 / 719 / 405 ms against 688 / 682 / 710 ms at density 0.74 / 0.75 / 0.47), so
+      0.8 would send its 0.74 layers to a sparse pass that is no faster than dense: 0.7 stays.
+      The default was 0.6 until 2026-12-02; with it about six SmolLM2 layers per 8k prompt ran dense, and the
+      attended density was 0.522 (12 RULER samples, ``benchmarks/density_rules.py``) against 0.486 at 0.7. The
+      six-task grid at 0.7 (10 samples per task): 8k 35.7 vs dense 36.5 at attended density 0.486 (0.6: 35.7 at
+      ≈ 0.52), 4k 48.2 vs 49.0 at 0.68 (0.6: 47.8).
+      CUDA (H200, bf16, 32/8 heads, d 128, 2026-12-04; against SDPA's own backend choice, what the dense path
+      runs): the kernel costs ≈ 0.9 × density × flash's time (keep-all 1.11× flash) and SDPA's default takes 0.6
+      of flash's time, so after the plan the sparse kernel pays below a density of ≈ 0.55 at 32k (0.62 at 64k,
+      0.64 at 128k); a flat layer at 32k would take (23.0 + 2.3) ms sparse against 13.0 ms dense. The rule reads
+      the density on the host: one sync per layer (a layer at ≥ 32k takes milliseconds); inside CUDA-graph capture
+      it is skipped (logged once) and the sparse kernel runs.
     * ``backend="auto"`` on CPU: the gather path on a worker pool (:mod:`.cpu_threads`), not ``flex``: measured
       at 8k (SmolLM2 layer 15, machine loaded), the compiled flex kernel alone took 2.5 s (2 threads) / 1.6 s
       (1 thread) where the pooled gather pass took ≈ 1.0 s, and flex's first compile took 254 s without an
@@ -124,7 +134,7 @@ class BflaConfig(MethodConfig):
     antidiag_stride: int = 16
     backend: str = "auto"
     profile: str | None = None
-    dense_density: float = 0.7
+    dense_density: float | None = None
     head_lists: str = "auto"
 
     def validate(self) -> None:
@@ -152,7 +162,8 @@ class BflaConfig(MethodConfig):
                 f"allowed: at most block_size={self.block_size}"
             )
         check_choice("backend", self.backend, BACKENDS)
-        check_range("dense_density", self.dense_density, 0.0, 1.0)
+        if self.dense_density is not None:
+            check_range("dense_density", self.dense_density, 0.0, 1.0)
         check_choice("head_lists", self.head_lists, HEAD_LISTS)
         if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
             raise ValueError(f"profile={self.profile!r} is not allowed; allowed: None or the path of a profile JSON")
@@ -167,6 +178,18 @@ def min_seq_len(config: BflaConfig, device: torch.device) -> int:
     if config.min_seq_len is not None:
         return config.min_seq_len
     return MIN_SEQ_LEN.get(device.type, MIN_SEQ_LEN["cpu"])
+
+
+DENSE_DENSITY = {"cpu": 0.7, "cuda": 0.55}  # dense_density=None: the default of each device (see BflaConfig)
+
+
+def dense_density(config: BflaConfig, device: torch.device) -> float:
+    """The selected density above which a planned layer runs the exact dense path on ``device``:
+    ``config.dense_density``, or the device's default (:data:`DENSE_DENSITY`; devices not listed take the CPU
+    figure)."""
+    if config.dense_density is not None:
+        return config.dense_density
+    return DENSE_DENSITY.get(device.type, DENSE_DENSITY["cpu"])
 
 
 def lists_per_query_head(hq: int, hkv: int, config: BflaConfig) -> bool:

@@ -13,7 +13,7 @@ from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
 from ..dense import METHOD as DENSE
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
-from .config import BflaConfig, lists_per_query_head, min_seq_len, use_triton
+from .config import BflaConfig, dense_density, lists_per_query_head, min_seq_len, use_triton
 from .cpu_threads import build_plan_parallel
 from .estimate import fused_rows_ok
 from .select import build_plan
@@ -129,14 +129,21 @@ def bfla_attention(
 
 
 def _density_rule(q, k, v, plan, config) -> str | None:
-    """The "never slower than dense" rule after the plan (CPU inference): the dense_reason, or None to go sparse."""
-    if config.dense_density >= 1.0 or q.device.type != "cpu":
+    """The "never slower than dense" rule after the plan (inference): the dense_reason, or None to go sparse. On
+    CUDA it reads the density on the host (one sync); inside CUDA-graph capture it cannot, so the sparse path runs."""
+    limit = dense_density(config, q.device)
+    if limit >= 1.0:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return None  # training keeps the sparse pattern it is trained with
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        log_once("bfla: the dense_density rule is skipped inside CUDA-graph capture (it reads the plan's density "
+                 "on the host); every planned layer runs the sparse kernel")
+        return None
     density = float(plan_density(plan).mean())
-    if density > config.dense_density:
-        return f"selected density {density:.2f} > dense_density {config.dense_density}"
+    if density > limit:
+        default = "" if config.dense_density is not None else f" (the {q.device.type} default)"
+        return f"selected density {density:.2f} > dense_density {limit}{default}"
     return None
 
 
@@ -170,8 +177,8 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
     dense_reason = _density_rule(q, k, v, plan, config)
     if dense_reason is not None:
         log_once(
-            f"bfla: layers whose selected density exceeds dense_density={config.dense_density} run the exact dense "
-            "path (stats(): path, dense_reason; dense_density=1.0 disables the rule)"
+            f"bfla: layers whose selected density exceeds dense_density={dense_density(config, q.device)} run the "
+            "exact dense path (stats(): path, dense_reason; dense_density=1.0 disables the rule)"
         )
         out = _dense(q, k, v, mask, causal=causal, **kw)
     else:
@@ -214,7 +221,7 @@ def layer_stats(state: LayerState) -> dict[str, Any]:
     KV heads, or query heads with per-query-head lists); all None on layers bfla does not sparsify (sliding-window
     layers: see their ``band_density``). ``path``: "sparse" or "dense" (which attention ran); ``dense_reason``: why
     the dense path ran (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 6144"`` or ``"selected
-    density 0.86 > dense_density 0.7"``."""
+    density 0.86 > dense_density 0.7 (the cpu default)"``."""
     st = state.stats
     route = {"path": st.get("path"), "dense_reason": st.get("dense_reason")}
     if st.get("dense"):
