@@ -66,6 +66,7 @@ def test_bfla_sparse_runs_and_reports_density_on_cuda(model_type):
         local=0,
         dense_last_blocks=0,
         flat_entropy=1.0,
+        dense_density=1.0,  # the rule off: every layer runs the sparse kernels this test is about
     )
     with torch.no_grad():
         out = model(ids).logits
