@@ -83,15 +83,23 @@ def fwd_bwd(fn, q, k, v):
     return run
 
 
-def packed(fn):
-    """``fn`` with the KV-group-packed entmax forward (kernels.entmax_triton.PACK_GQA)."""
+def variant(fn, **settings):
+    """``fn`` with module settings of kernels.entmax_triton changed for the call (PACK_GQA, WARPS_16BIT)."""
     def run(*args):
-        KT.PACK_GQA = True
+        old = {name: getattr(KT, name) for name in settings}
+        for name, value in settings.items():
+            setattr(KT, name, value)
         try:
             return fn(*args)
         finally:
-            KT.PACK_GQA = False
+            for name, value in old.items():
+                setattr(KT, name, value)
     return run
+
+
+def packed(fn):
+    """``fn`` with the KV-group-packed entmax forward (kernels.entmax_triton.PACK_GQA)."""
+    return variant(fn, PACK_GQA=True)
 
 
 try:
@@ -110,12 +118,21 @@ def tile_sparsity(q, k, v, alpha=1.5):
 
 
 def time_packed(row, fn, q, k, v):
-    """Forward time of the packed variant, or its error (it holds 4x the rows per program: may not fit)."""
+    """Forward time of the packed variant, or its error (it holds 4x the rows per program: may not fit), and of the
+    8-warp variant (WARPS_16BIT = 8: fewer register spills), forward and forward+backward."""
     try:
         with torch.no_grad():
             row["entmax15_packed_fwd_s"] = timed(lambda: packed(fn)(q, k, v))
     except Exception:  # noqa: BLE001
         row["packed_error"] = traceback.format_exc()[-1500:]
+    try:
+        w8 = variant(fn, WARPS_16BIT=8)
+        with torch.no_grad():
+            row["entmax15w8_fwd_s"] = timed(lambda: w8(q, k, v))
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        row["entmax15w8_fwdbwd_s"] = timed(fwd_bwd(w8, qg, kg, vg))
+    except Exception:  # noqa: BLE001
+        row["w8_error"] = traceback.format_exc()[-1500:]
 
 
 def compare_row(row, q, k, v, rep):
@@ -218,6 +235,13 @@ try:
         ref = E._blockwise_forward(q.detach(), k.detach(), v.detach(), a, nv, None, None, 128 ** -0.5, 30.0, 0,
                                    True, mode, True)
         err = float((tri[0] - ref[0]).abs().max())
+        try:  # bf16 forward at 8 warps (WARPS_16BIT) against 4 warps: the same kernel, other register tiling
+            qb, kb, vb = (t.detach().to(torch.bfloat16) for t in (q, k, v))
+            args = (qb, kb, vb, a, nv, None, None, 128 ** -0.5, 30.0, 0, True, mode, True)
+            w8_out, w4_out = variant(E.entmax_fwd, WARPS_16BIT=8)(*args)[0], E.entmax_fwd(*args)[0]
+            res["checks"][f"alpha{alpha}_w8_vs_w4_bf16"] = float((w8_out.float() - w4_out.float()).abs().max())
+        except Exception:  # noqa: BLE001
+            res["checks"][f"alpha{alpha}_w8_vs_w4_bf16"] = traceback.format_exc()[-1500:]
         try:  # the KV-group-packed forward (PACK_GQA) on the same inputs
             packed_out = packed(E.entmax_fwd)(q, k, v, a, nv, None, None, 128 ** -0.5, 30.0, 0, True, mode, True)[0]
             res["checks"][f"alpha{alpha}_packed_err"] = float((packed_out - ref[0]).abs().max())

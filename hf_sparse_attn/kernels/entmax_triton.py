@@ -512,9 +512,17 @@ def _entmax_bwd_dkdv_kernel(
     tl.store(DV + out[:, None] * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask[:, None])
 
 
+# num_warps of the 16-bit kernels at head_dim <= 128. ptxas -v (sm_90a, Triton 3.6, α 1.5, d 128): 4 warps give
+# 255 registers and 904 / 1832 / 1068 bytes of spill stores per thread (forward / dQ / dK-dV), 8 warps 255 and
+# 40 / 480 / 308 (the forward's packed histogram lanes, a (64, 64) uint64 tile, is most of it). 4 until a GPU times
+# both (benchmarks/gpu_check_entmax.sh: the ``w8`` columns).
+WARPS_16BIT = 4
+
+
 def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``methods.entmax.tiles_cpu.TILE``)."""
-    return TILE, TILE, 8 if (head_dim >= 256 or dtype == torch.float32) else 4
+    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``methods.entmax.tiles_cpu.TILE``); 8 warps
+    at head_dim 256 and in fp32, else :data:`WARPS_16BIT`."""
+    return TILE, TILE, 8 if (head_dim >= 256 or dtype == torch.float32) else WARPS_16BIT
 
 
 # |Σp - 1| every row must reach (fp32 sums) before the output is kept. SmolLM2 Q/K/V at 1k, α = 1.5 (interpreter,
