@@ -26,7 +26,7 @@ import hf_sparse_attn.kernels.bfla_fwd as fwd
 
 fwd_tiles, bwd_tiles = fwd.fwd_tiles, bwd.tile_sizes
 fwd.fwd_tiles = lambda g, bs, d, on_cuda, bm=None, bn=None: fwd_tiles(g, bs, d, True, bm, bn)
-bwd.tile_sizes = lambda bs, d, on_cuda: bwd_tiles(bs, d, True)
+bwd.tile_sizes = lambda bs, d, on_cuda, itemsize=2: bwd_tiles(bs, d, True, itemsize)
 
 
 def load(path):

@@ -18,7 +18,7 @@ group and ``HPT`` query heads of that group (``cdiv(Hq/Hkv, HPT)`` head tiles pe
 loaded once for all the query heads and query blocks of the program (the estimator reads K ``QBP`` times less
 often than with one query block per program) and the dot has at least 16 rows. It walks the key range
 ``[first key of the first block's window, last query of the last block]`` in ``BLOCK_N`` sub-tiles (each row
-masks the keys it cannot see), twice:
+masks the keys it cannot see, on the sub-tiles where some pair is hidden: the diagonal region), twice:
 
 1. the online log-sum-exp (base 2: scores are kept in ``log2 e`` units and every exponential is ``exp2``) of
    every sampled row over its causal(+window) keys;
@@ -42,15 +42,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .bfla_fwd import _dot_prec, _first_valid, _key_span, _tanh, _visible
+from .bfla_fwd import _dot_prec, _first_valid, _key_span, _sub_tile_is_partial, _tanh, _visible
 
 
 @triton.jit
-def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window, fv, scale, softcap,
-                   HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
-    """Scores of the stacked sample rows against keys ``offs_n``, in log2 units (softcap applied), -inf where the
-    key is past the sequence, after the row's query, outside its window, left padding, or the row is padding."""
+def _masked_scores(q, k_base, k0, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, q_first, q_last, window, fv, scale,
+                   softcap, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
+                   DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores of the stacked sample rows against keys ``k0 + arange(BLOCK_N)`` (a sub-tile), in log2 units (softcap
+    applied), -inf where the key is past the sequence, after the row's query, outside its window, left padding, or
+    the row is padding. The mask runs only on sub-tiles where some pair of the program's queries ``q_first..q_last``
+    is hidden (:func:`_sub_tile_is_partial`: the diagonal region in a causal prefill); elsewhere padding rows keep
+    finite scores of their zero query, which no output reads (their ``row_ok`` is False)."""
+    offs_n = k0 + tl.arange(0, BLOCK_N)
     col_ok = offs_n < SKV
     kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None],
                  other=0.0)
@@ -59,8 +63,10 @@ def _masked_scores(q, k_base, offs_n, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs
         s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
     else:
         s = s * (scale * 1.4426950408889634)
-    ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
-    return tl.where(ok, s, float("-inf"))
+    if _sub_tile_is_partial(k0, q_first, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW, HAS_PAD):
+        ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
+        s = tl.where(ok, s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -122,8 +128,8 @@ def _bfla_estimate_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(k_lo, q_last + 1, BLOCK_N):
-        s = _masked_scores(q, k_base, n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, window,
-                           fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC)
+        s = _masked_scores(q, k_base, n0, offs_d, d_ok, skn, skd, SKV, row_ok, q_abs, q_first,
+                           q_last, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -144,8 +150,9 @@ def _bfla_estimate_kernel(
         n_lo, n_hi = _key_span(kstart, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
         acc = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            s = _masked_scores(q, k_base, kstart + n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok,
-                               q_abs, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC)
+            s = _masked_scores(q, k_base, kstart + n0, offs_d, d_ok, skn, skd, SKV, row_ok,
+                               q_abs, q_first, q_last, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD,
+                               DOT_PREC, BLOCK_N)
             acc += tl.sum(tl.exp2(s - lse[:, None]), 1)  # masked keys: exp2(-inf) = 0
         per_group = tl.sum(tl.where(pick, acc[None, :], 0.0), 1) / n_live
         tl.store(out_base + j * smk, per_group, mask=out_ok)

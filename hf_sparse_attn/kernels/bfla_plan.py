@@ -130,8 +130,9 @@ def _plan_estimate_kernel(
         bm = tl.full([BLOCK_M], float("-inf"), tl.float32)
         bl = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            s = _masked_scores(q, k_base, kstart + n0 + tl.arange(0, BLOCK_N), offs_d, d_ok, skn, skd, SKV, row_ok,
-                               q_abs, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD, DOT_PREC)
+            s = _masked_scores(q, k_base, kstart + n0, offs_d, d_ok, skn, skd, SKV, row_ok,
+                               q_abs, q_first, q_last, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD,
+                               DOT_PREC, BLOCK_N)
             m_new = tl.maximum(bm, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             bl = bl * tl.exp2(bm - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
