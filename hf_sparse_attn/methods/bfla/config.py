@@ -80,12 +80,12 @@ class BflaConfig(MethodConfig):
       (plan included) breaks even with dense SDPA at a density of ≈ 0.6–0.75 at 4k and ≈ 0.6–0.7 at 8k (4k: 1.12×
       at 0.59, 0.96× at 0.69, 0.95× at 0.77, 0.83× at 1.0; 8k: 1.11× at 0.57, 1.19–1.32× at 0.46, 0.95× at 1.0).
       Flat layers (SmolLM2 layer 0) and Gemma 3 270M's full-attention layers (density 0.82–0.88 at 8k–16k) run
-      dense; the plan (≈ 3–10 % of that layer's dense time) is the only cost left there. Since the fused pass
-      (2026-12-04, idle, all 30 SmolLM2 layers at 8k: pass ≈ 1.07 × density × dense) the SmolLM2 break-even lies
-      near 0.9, but 0.8 measured no faster than 0.7 end to end (1.32× / 1.34× vs 1.35× / 1.33× dense, prose /
-      random), and Gemma 3 270M's full layers (head dim 256, per-head lists) cost 1.2–1.4 × density × dense
-      (layers 5 / 11 / 17 at 8k: 701 / 719 / 405 ms against 688 / 682 / 710 ms at density 0.74 / 0.75 / 0.47), so
-      0.8 would send its 0.74 layers to a sparse pass that is no faster than dense: 0.7 stays.
+      dense; the plan (≈ 3–10 % of that layer's dense time) is the only cost left there. With the fused pass
+      (measured 2026-12-04, idle, all 30 SmolLM2 layers at 8k: pass ≈ 1.07 × density × dense) SmolLM2's
+      break-even lies near 0.9, but 0.8 measured no faster than 0.7 end to end (1.32× / 1.34× vs 1.35× / 1.33×
+      dense, prose / random), and Gemma 3 270M's full layers (head dim 256, per-head lists) cost 1.2–1.4 ×
+      density × dense (layers 5 / 11 / 17 at 8k: 701 / 719 / 405 ms against 688 / 682 / 710 ms at density 0.74 /
+      0.75 / 0.47), so 0.8 would send its 0.74 layers to a sparse pass that is no faster than dense: 0.7 stays.
       The default was 0.6 until 2026-12-02; with it about six SmolLM2 layers per 8k prompt ran dense, and the
       attended density was 0.522 (12 RULER samples, ``benchmarks/density_rules.py``) against 0.486 at 0.7. The
       six-task grid at 0.7 (10 samples per task): 8k 35.7 vs dense 36.5 at attended density 0.486 (0.6: 35.7 at
