@@ -170,26 +170,29 @@ class BflaConfig(MethodConfig):
 
 
 MIN_SEQ_LEN = {"cpu": 6144, "cuda": 32768}  # min_seq_len=None: the default of each device (see BflaConfig)
+DENSE_DENSITY = {"cpu": 0.7, "cuda": 0.55}  # dense_density=None: the default of each device (see BflaConfig)
+
+
+def _device_default(value, defaults: dict, device: torch.device):
+    """``value``, or where it is None the ``defaults`` entry of ``device`` (devices not listed take the CPU one)."""
+    return value if value is not None else defaults.get(device.type, defaults["cpu"])
+
+
+def default_note(value, device: torch.device) -> str:
+    """The suffix a ``dense_reason`` gets when the threshold it names is the device default (``value`` None)."""
+    return "" if value is not None else f" (the {device.type} default)"
 
 
 def min_seq_len(config: BflaConfig, device: torch.device) -> int:
     """The shortest prefill that runs the sparse path on ``device``: ``config.min_seq_len``, or the device's default
-    (:data:`MIN_SEQ_LEN`; devices not listed take the CPU figure)."""
-    if config.min_seq_len is not None:
-        return config.min_seq_len
-    return MIN_SEQ_LEN.get(device.type, MIN_SEQ_LEN["cpu"])
-
-
-DENSE_DENSITY = {"cpu": 0.7, "cuda": 0.55}  # dense_density=None: the default of each device (see BflaConfig)
+    (:data:`MIN_SEQ_LEN`)."""
+    return _device_default(config.min_seq_len, MIN_SEQ_LEN, device)
 
 
 def dense_density(config: BflaConfig, device: torch.device) -> float:
     """The selected density above which a planned layer runs the exact dense path on ``device``:
-    ``config.dense_density``, or the device's default (:data:`DENSE_DENSITY`; devices not listed take the CPU
-    figure)."""
-    if config.dense_density is not None:
-        return config.dense_density
-    return DENSE_DENSITY.get(device.type, DENSE_DENSITY["cpu"])
+    ``config.dense_density``, or the device's default (:data:`DENSE_DENSITY`)."""
+    return _device_default(config.dense_density, DENSE_DENSITY, device)
 
 
 def lists_per_query_head(hq: int, hkv: int, config: BflaConfig) -> bool:

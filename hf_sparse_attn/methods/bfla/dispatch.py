@@ -13,7 +13,7 @@ from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
 from ..dense import METHOD as DENSE
 from .attend_cpu import sparse_attention_cpu
 from .attend_flex import _flex_unsupported, sparse_attention_flex
-from .config import BflaConfig, dense_density, lists_per_query_head, min_seq_len, use_triton
+from .config import BflaConfig, default_note, dense_density, lists_per_query_head, min_seq_len, use_triton
 from .cpu_threads import build_plan_parallel
 from .estimate import fused_rows_ok
 from .select import build_plan
@@ -28,8 +28,7 @@ def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None, 
         return False, None, "decode (one query)"
     shortest = min_seq_len(config, q.device)
     if sq < shortest:
-        default = "" if config.min_seq_len is not None else f" (the {q.device.type} default)"
-        return False, None, f"sequence length {sq} < min_seq_len {shortest}{default}"
+        return False, None, f"sequence length {sq} < min_seq_len {shortest}{default_note(config.min_seq_len, q.device)}"
     if not causal:
         return False, "bfla: non-causal attention runs the exact dense path", "non-causal attention"
     if mask is not None and not isinstance(mask, LeftPadding):  # left padding runs sparse (plan.first_valid)
@@ -142,8 +141,7 @@ def _density_rule(q, k, v, plan, config) -> str | None:
         return None
     density = float(plan_density(plan).mean())
     if density > limit:
-        default = "" if config.dense_density is not None else f" (the {q.device.type} default)"
-        return f"selected density {density:.2f} > dense_density {limit}{default}"
+        return f"selected density {density:.2f} > dense_density {limit}{default_note(config.dense_density, q.device)}"
     return None
 
 
