@@ -117,7 +117,7 @@ def tile_sparsity(q, k, v, alpha=1.5):
     return E.tile_fractions(st["tiles"])["skipped"], st["diag"].tolist()
 
 
-def time_packed(row, fn, q, k, v):
+def time_variants(row, fn, q, k, v):
     """Forward time of the packed variant, or its error (it holds 4x the rows per program: may not fit), and of the
     8-warp variant (WARPS_16BIT = 8: fewer register spills), forward and forward+backward."""
     try:
@@ -156,7 +156,7 @@ def compare_row(row, q, k, v, rep):
     with torch.no_grad():
         for name, fn in fns.items():
             row[f"{name}_fwd_s"] = timed(lambda fn=fn: fn(q, k, v))
-    time_packed(row, ours, q, k, v)
+    time_variants(row, ours, q, k, v)
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     for name, fn in fns.items():
         row[f"{name}_fwdbwd_s"] = timed(fwd_bwd(fn, qg, kg, vg))
@@ -202,7 +202,7 @@ for n in (32768, 8192, 16384):  # 32k first: the issue's target length, kept if 
             row["entmax15_fwd_s"] = timed(lambda: E.entmax_attention(q, k, v, None, alpha=1.5))
             if adasplash is not None:
                 row["adasplash_fwd_s"] = timed(lambda: adasplash(q, k, v, alpha=1.5, is_causal=True))
-        time_packed(row, lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5), q, k, v)
+        time_variants(row, lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5), q, k, v)
         q, k, v = qkv(n, grad=True)
         row["sdpa_fwdbwd_s"] = timed(fwd_bwd(sdpa, q, k, v))
         row["entmax15_fwdbwd_s"] = timed(fwd_bwd(lambda q, k, v: E.entmax_attention(q, k, v, None, alpha=1.5), q, k, v))
