@@ -14,9 +14,12 @@ Usage (CPU, kernels under the interpreter; small shapes)::
 
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/count_plan_ops.py
     python benchmarks/count_plan_ops.py --time --lengths 8192,16384,32768,65536,131072 --out plan_time.json  # CUDA
+    python benchmarks/count_plan_ops.py --work --key-chunks 0,4,8,16,32   # any machine: the estimate grid, counted
 
 The ``--time`` table (CUDA): plan time per layer for both paths (CUDA events, median of ``--reps`` after a warm
-call), SDPA flash time of the same layer and the plan's share of it. bf16, GQA 32/8, head_dim 128, defaults.
+call), SDPA flash time of the same layer and the plan's share of it, then the two launches apart: the estimate per
+split-K / warps variant (checked bit for bit against the unsplit one) and the select. bf16, GQA 32/8, head_dim 128,
+defaults.
 """
 
 from __future__ import annotations
@@ -153,7 +156,56 @@ def _time_length(s: int, reps: int) -> dict:
         lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), reps
     )
     row["plan_share_of_flash"] = row["plan_triton_ms"] / row["flash_ms"]
+    row.update(_time_stages(q, k, reps))
     return row
+
+
+ESTIMATE_VARIANTS = [(0, 4), (0, 8), (4, 4), (8, 4), (16, 4), (32, 4), (8, 8), (16, 8)]  # (key_chunk, num_warps)
+
+
+def _time_stages(q, k, reps: int) -> dict:
+    """CUDA: the plan's two launches apart: ``plan_estimate`` per (key_chunk, num_warps) of
+    :data:`ESTIMATE_VARIANTS` (each checked bit for bit against the unsplit 4-warp masses), then ``plan_select`` on
+    its masses. Defaults: rows_per_block 8, block 128, no window / padding."""
+    from hf_sparse_attn.kernels.bfla_plan import plan_estimate, plan_select
+
+    kw = dict(scale=q.shape[-1] ** -0.5, softcap=None, sliding_window=None, block_size=128, rows_per_block=8)
+    mass, ent = plan_estimate(q, k, **kw, key_chunk=0, num_warps=4)
+    row: dict = {}
+    for chunk, warps in ESTIMATE_VARIANTS:
+        m, e = plan_estimate(q, k, **kw, key_chunk=chunk, num_warps=warps)
+        row[f"estimate_chunk{chunk}_w{warps}_equal"] = bool(torch.equal(m, mass) and torch.equal(e, ent))
+        row[f"estimate_chunk{chunk}_w{warps}_ms"] = _time_ms(
+            lambda c=chunk, w=warps: plan_estimate(q, k, **kw, key_chunk=c, num_warps=w), reps)
+    cfg = bfla.BflaConfig(min_seq_len=0)
+    row["select_ms"] = _time_ms(lambda: plan_select(mass, ent, batch=q.shape[0], kv_heads=k.shape[1], sq=q.shape[2],
+                                                    skv=k.shape[2], sliding_window=None, config=cfg), reps)
+    return row
+
+
+def estimate_work(length: int, rep: int = 4, head_dim: int = 128, key_chunk: int | None = 0, bs: int = 128,
+                  rows_per_block: int = 8) -> dict:
+    """Counted, not timed (any machine): ``plan_estimate``'s grid for one KV head of a causal prefill of ``length``
+    tokens, from the wrapper's own tile and chunk functions: programs launched, those with key blocks to walk, the
+    most key sub-tiles one program walks (its serial chain: the critical path when the GPU has room for every
+    program) and the sub-tiles of all programs (the work, the same for every ``key_chunk``)."""
+    from hf_sparse_attn.kernels.bfla_estimate import estimate_tiles
+    from hf_sparse_attn.kernels.bfla_plan import estimate_chunks
+
+    _, hpt, qbp, bn = estimate_tiles(rep, rows_per_block, bs, head_dim)
+    nq = nk = -(-length // bs)
+    chunk, nch = estimate_chunks(nk, qbp, bs, None, key_chunk)
+    tiles = -(-rep // hpt)
+    busy, longest, total = 0, 0, 0
+    for p in range(-(-nq // qbp)):
+        q_last = min(length, (p + 1) * qbp * bs) - 1
+        subtiles = [-(-(min(bs, q_last + 1 - j * bs)) // bn) for j in range(q_last // bs + 1)]
+        for c in range(0, len(subtiles), chunk):
+            busy += tiles
+            longest = max(longest, sum(subtiles[c : c + chunk]))
+            total += tiles * sum(subtiles[c : c + chunk])
+    return {"length": length, "key_chunk": key_chunk or 0, "programs": -(-nq // qbp) * tiles * nch,
+            "programs_with_work": busy, "most_subtiles_per_program": longest, "subtiles": total}
 
 
 def time_plans(lengths: list[int], reps: int) -> list[dict]:
@@ -172,7 +224,19 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="8192,16384,32768,65536,131072")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--work", action="store_true",
+                    help="any machine: count the estimate grid's programs and serial chain per --key-chunks")
+    ap.add_argument("--key-chunks", default="0,4,8,16,32")
     args = ap.parse_args(argv)
+    if args.work:
+        rows = [estimate_work(int(n), key_chunk=int(c)) for n in args.lengths.split(",")
+                for c in args.key_chunks.split(",")]
+        for r in rows:
+            print(json.dumps(r))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"estimate_work": rows}, f, indent=1)
+        return 0
     on_cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         print("no CUDA: run with TRITON_INTERPRET=1 to count the Triton kernels on CPU", file=sys.stderr)

@@ -95,6 +95,49 @@ def test_plan_kernel_estimate_matches_reference(case, dtype):
     torch.testing.assert_close(ent, want, atol=tol, rtol=0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", EST_CASES + (EST_CUDA if ON_CUDA else []))
+def test_plan_kernel_estimate_split_over_keys_is_bit_identical(case):
+    """Split-K (``key_chunk``: each row group's key range over several programs, the last to finish runs the
+    epilogue) gives the unsplit masses and entropies bit for bit, for chunks of 1 and 3 key blocks (CUDA: 2 and 8);
+    on CUDA this is where the atomic's ordering of the scratch stores is checked."""
+    from hf_sparse_attn.kernels.bfla_plan import plan_estimate
+
+    b, hq, hkv, sq, skv, d, bs, r, softcap, window, pad = case
+    q, k = _qk(b, hq, hkv, sq, skv, d, bs, torch.bfloat16 if ON_CUDA else torch.float32)
+    fv = None if pad is None else torch.tensor(pad, device=DEVICE)
+    kw = dict(scale=d**-0.5, softcap=softcap or None, sliding_window=window or None, block_size=bs,
+              rows_per_block=r, first_valid=fv)
+    mass, ent = plan_estimate(q, k, **kw, key_chunk=0)
+    for chunk in (2, 8) if ON_CUDA else (1, 3):
+        m, e = plan_estimate(q, k, **kw, key_chunk=chunk)
+        assert torch.equal(m, mass) and torch.equal(e, ent), chunk
+
+
+def test_plan_estimate_chunks_cover_every_row_group():
+    """``estimate_chunks``: the chunk programs of a row group reach its last visible key block (the kernel asserts
+    it, but the interpreter's small cases cannot reach every shape), and a bad ``key_chunk`` is refused by name."""
+    pytest.importorskip("triton")
+    from hf_sparse_attn.kernels.bfla_plan import estimate_chunks, estimate_tiles
+
+    for bs in (16, 128):
+        for sq, skv in ((1, 1), (95, 95), (300, 333), (4096, 4096), (130, 9000)):
+            for window in (None, 40, 1000):
+                for key_chunk in (1, 3, 8):
+                    qbp = estimate_tiles(4, 8, bs, 128)[2]
+                    nq, nk, off = -(-sq // bs), -(-skv // bs), skv - sq
+                    chunk, nch = estimate_chunks(nk, qbp, bs, window, key_chunk)
+                    for p in range(-(-nq // qbp)):
+                        q_first, q_last = p * qbp * bs + off, min(sq, (p + 1) * qbp * bs) - 1 + off
+                        j_lo = max(0, q_first - window + 1) // bs if window else 0
+                        assert q_last // bs - j_lo < nch * chunk, (bs, sq, skv, window, key_chunk, p)
+    assert estimate_chunks(64, 2, 128, None, 0) == (64, 1) == estimate_chunks(64, 2, 128, None, None)
+    assert estimate_chunks(64, 2, 128, None, 8) == (8, 8)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"key_chunk={bad!r} is not allowed"):
+            estimate_chunks(64, 2, 128, None, bad)
+
+
 def test_plan_estimate_scratch_slabs_hold_every_visible_key_block():
     """The estimator's scratch is a triangle of per-program slabs ((p+1)*QBP + ceil(offset/bs) key-block rows for
     query-block group p); the interpreter runs programs one after another and cannot see an overlap, so check the

@@ -150,16 +150,18 @@ _PLAN = _slow_except((16,))
 @pytest.mark.parametrize("nk", [_PLAN(16), _PLAN(1024)])
 def test_bfla_plan_kernels_compile_for_sm90(sm90, nk):
     """bfla's two plan launches (estimate, then select) with every option a GPU run can switch on: softcap, window,
-    left padding, per-head ``keep_mass``, local and flat-entropy rescues; GQA 4, head_dim 128, bf16. ``nk``: key
-    blocks of the select tile (1024: a 128k prompt, 8 warps; the estimate runs at 2k tokens in both cases)."""
+    left padding, per-head ``keep_mass``, local and flat-entropy rescues; GQA 4, head_dim 128, bf16; the estimate
+    whole and split over its key range (``key_chunk``). ``nk``: key blocks of the select tile (1024: a 128k prompt,
+    8 warps; the estimate runs at 2k tokens in both cases)."""
     from hf_sparse_attn.kernels.bfla_plan import plan_estimate, plan_select
     from hf_sparse_attn.methods.bfla import BflaConfig
 
     b, hq, hkv, s, d, bs = 2, 8, 2, 2048, 128, 128
     q, k = (torch.zeros(b, h, s, d, dtype=torch.bfloat16) for h in (hq, hkv))
     fv = torch.tensor([0, 5])
-    plan_estimate(q, k, scale=d**-0.5, softcap=30.0, sliding_window=512, block_size=bs, rows_per_block=8,
-                  first_valid=fv)
+    for key_chunk in (0, 2):  # one program per row group, and split-K (its atomic counter and .cg loads)
+        plan_estimate(q, k, scale=d**-0.5, softcap=30.0, sliding_window=512, block_size=bs, rows_per_block=8,
+                      first_valid=fv, key_chunk=key_chunk)
     n = nk * bs
     mass = torch.zeros(b, hq, nk, nk)  # nothing runs: only the shapes and types reach the compiler
     ent = torch.zeros(b, hq, nk)

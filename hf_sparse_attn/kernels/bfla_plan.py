@@ -78,77 +78,103 @@ def _quantize_unit(x, SCALE: tl.constexpr):
     return f.to(tl.int32) + (x - f >= 0.5).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["SQ", "SKV", "NK", "q_offset", "window", "R", "C0", "SLABS"])
+@triton.jit(do_not_specialize=["SQ", "SKV", "NK", "q_offset", "window", "R", "C0", "SLABS", "NCH", "CHUNK"])
 def _plan_estimate_kernel(
-    Q, K, MASS, ENT, SCR, FV,
+    Q, K, MASS, ENT, SCR, FV, CNT,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
-    HKV, REP, SQ, SKV, NK, q_offset, window, R, scale, softcap, C0, SLABS,
+    HKV, REP, SQ, SKV, NK, q_offset, window, R, scale, softcap, C0, SLABS, NCH, CHUNK,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, R_PAD: tl.constexpr, HPT: tl.constexpr, QBP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
 ):
     GROUPS: tl.constexpr = QBP * HPT  # (query block, head) pairs of the program
     BLOCK_M: tl.constexpr = GROUPS * R_PAD
     pid_q = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.program_id(1) // NCH
+    chunk = tl.program_id(1) % NCH  # which CHUNK key blocks of the row group's range this program walks
     pid_bh = tl.program_id(2)
     qblk0 = pid_q * QBP
     b = pid_bh // HKV
     hkv = pid_bh % HKV
-    nq = tl.cdiv(SQ, BLOCK_SIZE)
+    tiles = tl.num_programs(1) // NCH
 
     offs_m = tl.arange(0, BLOCK_M)
-    group = offs_m // R_PAD  # (query block, head) pair of each stacked row (see _sample_rows)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    row_ok, row, hq, q = _sample_rows(Q, b, hkv, tile, qblk0, sqb, sqh, sqm, sqd, REP, SQ, R, offs_m, offs_d, d_ok,
-                                      BLOCK_SIZE, R_PAD, HPT)
-    q_abs = row + q_offset
     q_first = qblk0 * BLOCK_SIZE + q_offset
     q_last = tl.minimum(SQ, (qblk0 + QBP) * BLOCK_SIZE) - 1 + q_offset
-    k_base = K + b * skb + hkv * skh
     fv = _first_valid(FV, b, HAS_PAD)
     # scratch: a slab of (key blocks this program can see, BLOCK_M) -- (p+1)*QBP + C0 rows for query-block group p
     # (causal: the slabs form a triangle, half of a (NK, BLOCK_M) slab per program)
     p64 = pid_q.to(tl.int64)
     slab0 = (QBP * p64 * (p64 + 1)) // 2 + p64 * C0
-    scr = SCR + ((pid_bh * tl.num_programs(1) + tile).to(tl.int64) * SLABS + slab0) * BLOCK_M + offs_m
+    scr = SCR + ((pid_bh * tiles + tile).to(tl.int64) * SLABS + slab0) * BLOCK_M + offs_m
 
-    # the single pass: per key block, each row's block log-sum-exp (to the scratch) and the running row total
+    # the row group's key blocks j_lo..j_hi, of which this program walks c_lo..c_hi (all of them unless SPLIT)
     k_first = fv
     if HAS_WINDOW:
         k_first = tl.maximum(fv, q_first - window + 1)
     j_lo = k_first // BLOCK_SIZE
     j_hi = q_last // BLOCK_SIZE
     tl.device_assert(j_hi < (p64 + 1) * QBP + C0, "bfla plan_estimate: key block past the program's scratch slab")
+    tl.device_assert(j_hi - j_lo < NCH * CHUNK, "bfla plan_estimate: key range longer than the program's chunks")
+    c_lo = j_lo + chunk * CHUNK
+    c_hi = tl.minimum(j_hi, c_lo + CHUNK - 1)
+    if c_lo <= j_hi:  # (a SPLIT grid is rectangular: the chunks past a short row group's range have nothing to do)
+        group = offs_m // R_PAD  # (query block, head) pair of each stacked row (see _sample_rows)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < HEAD_DIM
+        row_ok, row, hq, q = _sample_rows(Q, b, hkv, tile, qblk0, sqb, sqh, sqm, sqd, REP, SQ, R, offs_m, offs_d,
+                                          d_ok, BLOCK_SIZE, R_PAD, HPT)
+        q_abs = row + q_offset
+        k_base = K + b * skb + hkv * skh
+        # the pass: per key block, each row's block log-sum-exp (online max / exp-sum over its sub-tiles) to the scratch
+        for j in range(c_lo, c_hi + 1):
+            kstart = j * BLOCK_SIZE
+            n_lo, n_hi = _key_span(kstart, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
+            bm = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            bl = tl.zeros([BLOCK_M], tl.float32)
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                s = _masked_scores(q, k_base, kstart + n0, offs_d, d_ok, skn, skd, SKV, row_ok,
+                                   q_abs, q_first, q_last, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW,
+                                   HAS_PAD, DOT_PREC, BLOCK_N)
+                m_new = tl.maximum(bm, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                bl = bl * tl.exp2(bm - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+                bm = m_new
+            blse = tl.where(bl > 0.0, bm + tl.log2(tl.where(bl > 0.0, bl, 1.0)), float("-inf"))
+            tl.store(scr + j * BLOCK_M, blse)
+        last = True
+        if SPLIT:  # the last chunk of the row group to finish runs the epilogue (after every chunk's stores)
+            tl.debug_barrier()
+            row_group = (pid_bh * tiles + tile) * tl.num_programs(0) + pid_q
+            done = tl.atomic_add(CNT + row_group, 1, sem="acq_rel")
+            last = done == (j_hi - j_lo) // CHUNK
+        if last:
+            _estimate_epilogue(scr, MASS, ENT, group, row_ok, tile, b, hkv, j_lo, j_hi, qblk0, HKV, REP, SQ,
+                               SKV, NK, q_offset, window, fv, HAS_WINDOW, HAS_PAD, BLOCK_SIZE, BLOCK_M, GROUPS, HPT)
+
+
+@triton.jit
+def _estimate_epilogue(scr, MASS, ENT, group, row_ok, tile, b, hkv, j_lo, j_hi, qblk0, HKV, REP, SQ, SKV, NK,
+                       q_offset, window, fv, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, HPT: tl.constexpr):
+    """From the scratch's block log-sum-exps ``j_lo..j_hi`` of the program's stacked rows: each row's total
+    (online, in block order), every key block's mass per (query block, head) = mean over its live sample rows, and
+    each row's normalized entropy. Scratch loads bypass L1 (``.cg``): other programs wrote them."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for j in range(j_lo, j_hi + 1):
-        kstart = j * BLOCK_SIZE
-        n_lo, n_hi = _key_span(kstart, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
-        bm = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        bl = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            s = _masked_scores(q, k_base, kstart + n0, offs_d, d_ok, skn, skd, SKV, row_ok,
-                               q_abs, q_first, q_last, window, fv, scale, softcap, HAS_SOFTCAP, HAS_WINDOW, HAS_PAD,
-                               DOT_PREC, BLOCK_N)
-            m_new = tl.maximum(bm, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            bl = bl * tl.exp2(bm - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            bm = m_new
-        blse = tl.where(bl > 0.0, bm + tl.log2(tl.where(bl > 0.0, bl, 1.0)), float("-inf"))
-        tl.store(scr + j * BLOCK_M, blse)
+        blse = tl.load(scr + j * BLOCK_M, cache_modifier=".cg")
         m_new = tl.maximum(m_i, blse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.exp2(blse - m_safe)
         m_i = m_new
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)
 
-    # epilogue: every key block's mass per (query block, head) = mean over its live sample rows; entropy sums
     groups = tl.arange(0, GROUPS)
     pick = (group[None, :] == groups[:, None]) & row_ok[None, :]  # (GROUPS, BLOCK_M)
     n_live = tl.maximum(tl.sum(tl.where(pick & (l_i > 0.0)[None, :], 1.0, 0.0), 1), 1.0)
+    nq = tl.cdiv(SQ, BLOCK_SIZE)
     out_q = qblk0 + groups // HPT
     out_h = tile * HPT + groups % HPT
     out_ok = (out_h < REP) & (out_q < nq)
@@ -158,7 +184,7 @@ def _plan_estimate_kernel(
     n_valid = tl.zeros([GROUPS], tl.int32)
     for j in range(0, NK):
         jj = tl.full([BLOCK_M], j, tl.int32)
-        blse = tl.load(scr + j * BLOCK_M, mask=(jj >= j_lo) & (jj <= j_hi), other=float("-inf"))
+        blse = tl.load(scr + j * BLOCK_M, mask=(jj >= j_lo) & (jj <= j_hi), other=float("-inf"), cache_modifier=".cg")
         p = tl.exp2(blse - lse)  # rows without keys: blse = -inf -> 0
         m = tl.sum(tl.where(pick, p[None, :], 0.0), 1) / n_live
         tl.store(MASS + out_row * NK + j, m, mask=out_ok)
@@ -304,12 +330,19 @@ def plan_estimate(
     block_size: int,
     rows_per_block: int,
     first_valid: torch.Tensor | None = None,
+    key_chunk: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mass (B,Hq,NQ,NK) fp32, ent (B,Hq,NQ) fp32)`` from ``q (B,Hq,Sq,D)``, ``k (B,Hkv,Skv,D)`` (any strides;
     CUDA, or CPU under ``TRITON_INTERPRET=1``); ``first_valid (B,)``: left padding. ``mass`` equals
     ``_estimate_rows(q, k, scale, softcap, block_size, min(rows_per_block, block_size), sliding_window,
     first_valid)`` and ``ent`` equals ``row_entropy(mass, valid rows)`` within fp32 rounding. One launch, no host
-    sync."""
+    sync.
+
+    ``key_chunk`` (``None``: :data:`KEY_CHUNK`): split each row group's key range over programs of at most this
+    many key blocks (split-K; the last chunk to finish, counted with an atomic, runs the epilogue); ``0``: one
+    program walks the whole range. The result is the same bit for bit (the row totals are summed in block order
+    from the scratch either way). ``num_warps`` (default :data:`ESTIMATE_WARPS`): the launch's warps."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     if hq % hkv or skv < sq:
@@ -322,19 +355,40 @@ def plan_estimate(
     if mass.numel() == 0:
         return mass, ent
     r_pad, hpt, qbp, bn = estimate_tiles(rep, r, bs, d)
-    grid = (triton.cdiv(nq, qbp), triton.cdiv(rep, hpt), b * hkv)
+    n_qp, tiles = triton.cdiv(nq, qbp), triton.cdiv(rep, hpt)
+    chunk, nch = estimate_chunks(nk, qbp, bs, sliding_window, KEY_CHUNK if key_chunk is None else key_chunk)
+    grid = (n_qp, tiles * nch, b * hkv)
     c0 = triton.cdiv(skv - sq, bs)  # key blocks before the first query block's (partial) diagonal block
-    slabs = qbp * grid[0] * (grid[0] + 1) // 2 + grid[0] * c0  # scratch rows of one (batch row, KV group, head tile)
-    scratch = torch.empty((grid[1] * grid[2] * slabs * qbp * hpt * r_pad,), dtype=torch.float32, device=q.device)
+    slabs = qbp * n_qp * (n_qp + 1) // 2 + n_qp * c0  # scratch rows of one (batch row, KV group, head tile)
+    scratch = torch.empty((tiles * grid[2] * slabs * qbp * hpt * r_pad,), dtype=torch.float32, device=q.device)
+    counter = torch.zeros((n_qp * tiles * grid[2],), dtype=torch.int32, device=q.device) if nch > 1 else ent
     _plan_estimate_kernel[grid](
-        q, k, mass, ent, scratch, mass if first_valid is None else first_valid.contiguous(),
+        q, k, mass, ent, scratch, mass if first_valid is None else first_valid.contiguous(), counter,
         *q.stride(), *k.stride(),
         hkv, rep, sq, skv, nk, skv - sq, int(sliding_window or 0), r, float(scale), float(softcap or 1.0), c0, slabs,
+        nch, chunk,
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), HAS_PAD=first_valid is not None,
         DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=bs, R_PAD=r_pad, HPT=hpt, QBP=qbp, BLOCK_N=bn, HEAD_DIM=d,
-        D_PAD=max(16, _pow2(d)), num_warps=4, num_stages=2,
+        D_PAD=max(16, _pow2(d)), SPLIT=nch > 1, num_warps=num_warps or ESTIMATE_WARPS, num_stages=2,
     )
     return mass, ent
+
+
+KEY_CHUNK: int | None = None  # plan_estimate's default key_chunk: off until a GPU measures it (benchmarks/RESULTS.md)
+ESTIMATE_WARPS = 4  # plan_estimate's default num_warps
+
+
+def estimate_chunks(nk: int, qbp: int, bs: int, window: int | None, key_chunk: int | None) -> tuple[int, int]:
+    """``(CHUNK, NCH)`` of :func:`plan_estimate`'s split-K grid: at most ``key_chunk`` key blocks per program and
+    ``NCH`` chunk programs per row group (enough for the widest group's key range: all of ``nk`` causally, the
+    window's blocks with a sliding window); ``(nk, 1)`` when not split (``key_chunk`` None or 0, or no shorter
+    than that range)."""
+    widest = nk if not window else min(nk, qbp + triton.cdiv(window, bs) + 1)
+    if key_chunk is not None and (isinstance(key_chunk, bool) or not isinstance(key_chunk, int) or key_chunk < 0):
+        raise ValueError(f"key_chunk={key_chunk!r} is not allowed; allowed: None, 0 (not split) or an integer >= 1")
+    if not key_chunk or key_chunk >= widest:
+        return max(1, nk), 1
+    return key_chunk, triton.cdiv(widest, key_chunk)
 
 
 def select_heads(rep: int, nk_pad: int) -> int:
