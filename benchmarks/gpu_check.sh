@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check (DESIGN.md §9): Triton kernel tests on CUDA + the GPU benchmark grid, JSON into $OUT.
-# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh      (run from the repository root; ~5 min on one H200)
+# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh      (run from the repository root; at most BUDGET_S = 460 s)
 # Each section writes its own JSON/log into a work folder; a failing section is recorded and the script goes on.
+# Sections run in priority order (what no GPU run has measured yet first); ONLY="a b" runs only those.
 # At the end everything is packed into $OUT/gpu_check.tgz and $OUT/summary.txt (the device tool returns at most
 # 8 files). Optional input: gpu_inputs/qk_*.safetensors (real Q/K: `bench_bfla_gpu_real.py export`; git-ignored, so
 # the device tool needs carry=["gpu_inputs"]).
@@ -26,9 +27,19 @@ XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 12"
 
 status=0
+T_START=$(date +%s)
+BUDGET_S="${BUDGET_S:-460}"  # the whole script stays under 8 minutes (DESIGN §9): sections run in priority order,
+# each limited to what is left of the budget; a section with under 20 s left is skipped (recorded as rc "skipped")
 section() {  # section NAME TIMEOUT_S CMD...   (ONLY="name1 name2": run only those sections)
   local name=$1 limit=$2; shift 2
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${name%%_qk*} "* ]]; then return; fi
+  local left=$(( BUDGET_S - ($(date +%s) - T_START) ))
+  if [ "$left" -lt 20 ]; then
+    echo "{\"section\": \"$name\", \"rc\": \"skipped\", \"seconds\": 0, \"why\": \"${left}s of BUDGET_S left\"}" >>"$W/sections.jsonl"
+    echo "[$name] skipped: ${left}s of the ${BUDGET_S}s budget left"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$W/$name.log" 2>&1
   local rc=$?
@@ -62,19 +73,19 @@ section kernel_tests 150 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cachep
   --junitxml="$W/kernel_tests.xml"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash and AdaSplash (its own script; tests ran above).
 section entmax_bench 130 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
+# The plan in two Triton launches (issue 16): plan time per layer vs SDPA flash, bf16 GQA 32/8 d128, 8k..128k,
+# and the two launches apart (the estimate per split-K key_chunk x num_warps, each checked bit for bit; the
+# select). Targets: <= 0.3 ms per layer at 8k-16k, <= 3 % of flash at >= 32k.
+section plan_time 100 "$PY" benchmarks/count_plan_ops.py --time --lengths 8192,16384,32768,65536,131072 --reps 5 \
+  --out "$W/plan_time.json"
 # bfla on real attention (Q/K captured from SmolLM2 at 16k here; default config) vs SDPA flash.
 for f in gpu_inputs/qk_*.safetensors; do
   [ -f "$f" ] || continue
   section "real_$(basename "$f" .safetensors)" 70 "$PY" benchmarks/bench_bfla_gpu_real.py run --inputs "$f" \
     --prefixes 4096,8192 --out "$W/real_$(basename "$f" .safetensors).json"
 done
-# The plan in two Triton launches (issue 16): launches / aten ops / host syncs of one build_plan call at 8k (PyTorch
-# path vs kernels/bfla_plan.py), then plan time per layer vs SDPA flash, bf16 GQA 32/8 d128, 8k..128k, and the two
-# launches apart (the estimate per split-K key_chunk x num_warps, each checked bit for bit; the select). Targets:
-# <= 0.3 ms per layer at 8k-16k, <= 3 % of flash at >= 32k.
+# Launches / aten ops / host syncs of one build_plan call at 8k (PyTorch path vs kernels/bfla_plan.py).
 section plan_counts 30 "$PY" benchmarks/count_plan_ops.py --out "$W/plan_counts.json"
-section plan_time 100 "$PY" benchmarks/count_plan_ops.py --time --lengths 8192,16384,32768,65536,131072 --reps 5 \
-  --out "$W/plan_time.json"
 
 # The grid: bf16, causal, D 128, GQA 32/8, 8k..128k: SDPA flash, the BFLA kernel at fixed densities, flex_attention
 # with the same block mask (up to --flex-max), estimator time.
@@ -86,5 +97,6 @@ section windowed_bench 45 "$PY" benchmarks/bench_windowed.py op --device cuda --
 # Launch settings of the forward kernel per shape, and where the plan's time goes (sets the GPU defaults).
 section tune 130 "$PY" benchmarks/tune_bfla_gpu.py --out "$W/tune.json" --budget-s 90
 
+pack
 echo "done: status=$status, results in $OUT (summary.txt, gpu_check.tgz)"
 exit $status
