@@ -63,7 +63,26 @@ EST_CASES = [
     (1, 6, 2, 60, 90, 32, 16, 2, 0.0, 0, None),  # GQA 3
     (2, 4, 1, 97, 97, 64, 16, 3, 0.0, 40, (0, 29)),  # left padding + window
     (2, 8, 2, 70, 103, 64, 16, 4, 5.0, 0, (0, 50)),  # left padding + offset: padding queries
+    (2, 4, 1, 97, 97, 64, 16, 3, 0.0, 0, (0, 80)),  # a program whose queries are all padding: no key block to walk
 ]
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """``plan_estimate`` allocates its outputs filled with NaN (``torch.empty`` may hand back zeros), so a test
+    sees every entry the kernel fails to write."""
+    from hf_sparse_attn.kernels import bfla_plan
+
+    class _Torch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, **kw):
+            return torch.full(*shape, float("nan"), **kw) if kw.get("dtype") == torch.float32 else torch.empty(
+                *shape, **kw)
+
+    monkeypatch.setattr(bfla_plan, "torch", _Torch())
 EST_CUDA = [
     (1, 32, 8, 2000, 2000, 128, 128, 4, 0.0, 0, None),
     (2, 16, 2, 1500, 3100, 128, 128, 4, 0.0, 0, (0, 1234)),
@@ -74,7 +93,7 @@ EST_CUDA = [
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
 @pytest.mark.parametrize("case", EST_CASES + (EST_CUDA if ON_CUDA else []))
-def test_plan_kernel_estimate_matches_reference(case, dtype):
+def test_plan_kernel_estimate_matches_reference(case, dtype, poisoned_outputs):
     from hf_sparse_attn.kernels.bfla_plan import plan_estimate
 
     if dtype != torch.float32 and case is not EST_CASES[4] and not ON_CUDA:
@@ -97,7 +116,7 @@ def test_plan_kernel_estimate_matches_reference(case, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("case", EST_CASES + (EST_CUDA if ON_CUDA else []))
-def test_plan_kernel_estimate_split_over_keys_is_bit_identical(case):
+def test_plan_kernel_estimate_split_over_keys_is_bit_identical(case, poisoned_outputs):
     """Split-K (``key_chunk``: each row group's key range over several programs, the last to finish runs the
     epilogue) gives the unsplit masses and entropies bit for bit, for chunks of 1 and 3 key blocks (CUDA: 2 and 8);
     on CUDA this is where the atomic's ordering of the scratch stores is checked."""

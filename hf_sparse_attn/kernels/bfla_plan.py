@@ -117,9 +117,10 @@ def _plan_estimate_kernel(
     j_hi = q_last // BLOCK_SIZE
     tl.device_assert(j_hi < (p64 + 1) * QBP + C0, "bfla plan_estimate: key block past the program's scratch slab")
     tl.device_assert(j_hi - j_lo < NCH * CHUNK, "bfla plan_estimate: key range longer than the program's chunks")
+    n_chunks = tl.maximum(j_hi - j_lo, 0) // CHUNK + 1  # >= 1: a row group of padding queries sees no key block
     c_lo = j_lo + chunk * CHUNK
     c_hi = tl.minimum(j_hi, c_lo + CHUNK - 1)
-    if c_lo <= j_hi:  # (a SPLIT grid is rectangular: the chunks past a short row group's range have nothing to do)
+    if chunk < n_chunks:  # (a SPLIT grid is rectangular: the chunks past a short row group's range have nothing to do)
         group = offs_m // R_PAD  # (query block, head) pair of each stacked row (see _sample_rows)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < HEAD_DIM
@@ -148,7 +149,7 @@ def _plan_estimate_kernel(
             tl.debug_barrier()
             row_group = (pid_bh * tiles + tile) * tl.num_programs(0) + pid_q
             done = tl.atomic_add(CNT + row_group, 1, sem="acq_rel")
-            last = done == (j_hi - j_lo) // CHUNK
+            last = done == n_chunks - 1
         if last:
             _estimate_epilogue(scr, MASS, ENT, group, row_ok, tile, b, hkv, j_lo, j_hi, qblk0, HKV, REP, SQ,
                                SKV, NK, q_offset, window, fv, HAS_WINDOW, HAS_PAD, BLOCK_SIZE, BLOCK_M, GROUPS, HPT)
