@@ -5,13 +5,16 @@
    takes ``QBP`` query blocks × ``HPT`` query heads of one KV group × ``R`` sample rows (row ``I*bs +
    ((2t+1)*len)//(2R)``, as ``_sampled_rows``), stacked into one ``BLOCK_M``-row tile, so every K sub-tile is read
    once for all of them. Walking the key blocks ``J`` in order it keeps, per stacked row, the block's log-sum-exp
-   (base 2, fp32: online max / exp-sum over the block's ``BLOCK_N`` sub-tiles) in a scratch buffer and the row's
-   running log-sum-exp (online rescaling across blocks). The epilogue turns every block's log-sum-exp into the
+   (base 2, fp32: online max / exp-sum over the block's ``BLOCK_N`` sub-tiles) in a scratch buffer. The epilogue
+   sums the row's log-sum-exp from the scratch (online rescaling, in block order), turns every block's into the
    row's softmax mass there (``exp2(lse_J - lse_row)``), averages the ``R`` rows of each (query block, head) that
    see a key, and writes ``mass (B,Hq,NQ,NK)`` (every entry: zeros outside the visible blocks, so no memset) and
    ``ent (B,Hq,NQ)``: each row's normalized entropy (-1 for rows with fewer than two valid blocks) for the
-   flat-head test. Scratch: ``4 * BLOCK_M`` bytes per key block a program can see (a causal triangle of slabs), about
-   ``R / 2`` times the mass tensor (256 MB at 128k tokens with 32/8 heads, R 4).
+   flat-head test. Optionally (``key_chunk``) split-K: a row group's key range over several programs, the last to
+   finish (an ``acq_rel`` ticket counter) running the epilogue from the scratch; bit-identical, more programs with
+   shorter serial chains where the unsplit grid does not fill a GPU (8k–16k). Scratch: ``4 * BLOCK_M`` bytes per
+   key block a program can see (a causal triangle of slabs), about ``R / 2`` times the mass tensor (256 MB at 128k
+   tokens with 32/8 heads, R 4).
 2. :func:`plan_select` (``_plan_select_kernel``): one program per (batch row, KV head, query block). Per query
    head of the group: masses quantized to integers (units of 2^-24, as ``quantize_unit``), ``tl.sort`` of the
    quantized masses, exact int64 prefix sums against the integer budget (``mass_budget``; one per query head
