@@ -133,6 +133,42 @@ def test_plan_kernel_estimate_split_over_keys_is_bit_identical(case, poisoned_ou
         assert torch.equal(m, mass) and torch.equal(e, ent), chunk
 
 
+@needs_kernel
+@pytest.mark.skipif(ON_CUDA, reason="counts calls of the kernel's helpers: the interpreter runs them as Python")
+def test_plan_kernel_walks_what_count_plan_ops_counts(monkeypatch):
+    """``benchmarks/count_plan_ops.py --work`` (the split-K counts in RESULTS.md) counts what the kernel does: the
+    key sub-tiles it scores (``_masked_scores`` calls) and the programs that have key blocks to walk (each loads its
+    sample rows once), whole and split."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_sparse_attn.kernels import bfla_plan
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "count_plan_ops.py"
+    spec = importlib.util.spec_from_file_location("count_plan_ops", path)
+    counter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counter)
+    calls = {"_masked_scores": 0, "_sample_rows": 0}
+
+    def counting(name, orig):
+        def counted(*a, **kw):
+            calls[name] += 1
+            return orig(*a, **kw)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(bfla_plan, name, counting(name, getattr(bfla_plan, name)))
+    n, rep, d = 700, 4, 64
+    q, k = _qk(1, rep, 1, n, n, d, 128)
+    for chunk in (0, 1, 2):
+        calls.update({name: 0 for name in calls})
+        bfla_plan.plan_estimate(q, k, scale=d**-0.5, softcap=None, sliding_window=None, block_size=128,
+                                rows_per_block=8, key_chunk=chunk)
+        work = counter.estimate_work(n, rep=rep, head_dim=d, key_chunk=chunk)
+        assert calls == {"_masked_scores": work["subtiles"], "_sample_rows": work["programs_with_work"]}, chunk
+
+
 def test_plan_estimate_chunks_cover_every_row_group():
     """``estimate_chunks``: the chunk programs of a row group reach its last visible key block (the kernel asserts
     it, but the interpreter's small cases cannot reach every shape), and a bad ``key_chunk`` is refused by name."""
