@@ -176,10 +176,10 @@ def test_plan_estimate_chunks_cover_every_row_group():
     from hf_sparse_attn.kernels.bfla_plan import estimate_chunks, estimate_tiles
 
     for bs in (16, 128):
+        qbp = estimate_tiles(4, 8, bs, 128)[2]
         for sq, skv in ((1, 1), (95, 95), (300, 333), (4096, 4096), (130, 9000)):
             for window in (None, 40, 1000):
                 for key_chunk in (1, 3, 8):
-                    qbp = estimate_tiles(4, 8, bs, 128)[2]
                     nq, nk, off = -(-sq // bs), -(-skv // bs), skv - sq
                     chunk, nch = estimate_chunks(nk, qbp, bs, window, key_chunk)
                     for p in range(-(-nq // qbp)):

@@ -387,9 +387,9 @@ def estimate_chunks(nk: int, qbp: int, bs: int, window: int | None, key_chunk: i
     ``NCH`` chunk programs per row group (enough for the widest group's key range: all of ``nk`` causally, the
     window's blocks with a sliding window); ``(nk, 1)`` when not split (``key_chunk`` None or 0, or no shorter
     than that range)."""
-    widest = nk if not window else min(nk, qbp + triton.cdiv(window, bs) + 1)
     if key_chunk is not None and (isinstance(key_chunk, bool) or not isinstance(key_chunk, int) or key_chunk < 0):
         raise ValueError(f"key_chunk={key_chunk!r} is not allowed; allowed: None, 0 (not split) or an integer >= 1")
+    widest = nk if not window else min(nk, qbp + triton.cdiv(window, bs) + 1)
     if not key_chunk or key_chunk >= widest:
         return max(1, nk), 1
     return key_chunk, triton.cdiv(widest, key_chunk)
