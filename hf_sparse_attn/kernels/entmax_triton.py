@@ -142,10 +142,14 @@ def _flush_hist(cnt, cbase, lanes, base, fidx):
 
 
 @triton.jit
-def _bin_of(s, ok, base):
-    """Field of each score in the window that starts at absolute bin ``base`` (negative: below the window)."""
-    j = tl.floor(tl.where(ok, s, 0.0) * HIST_PER_UNIT).to(tl.int32) - base[:, None]
-    return tl.minimum(j, HIST_FIELDS - 1)
+def _bin_of(s, ok, base, NDIM: tl.constexpr):
+    """Field of each score ``s`` (NDIM 2: (rows, keys); 1: one per row) in the window that starts at absolute bin
+    ``base`` (rows,); negative: below the window, or not ``ok`` (masked)."""
+    if NDIM == 2:
+        j = tl.floor(tl.where(ok, s, 0.0) * HIST_PER_UNIT).to(tl.int32) - base[:, None]
+    else:
+        j = tl.floor(tl.where(ok, s, 0.0) * HIST_PER_UNIT).to(tl.int32) - base
+    return tl.where(ok, tl.minimum(j, HIST_FIELDS - 1), -1)
 
 
 @triton.jit
@@ -228,20 +232,23 @@ def _entmax_fwd_kernel(
     for start in range(lo_key, hi_key, BLOCK_N):
         s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
                                        fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
-        top = tl.maximum(top, tl.max(s, 1))
+        tile_top = tl.max(s, 1)
+        top = tl.maximum(top, tile_top)
         seen = top > float("-inf")
         new_base = tl.where(seen, tl.floor((tl.where(seen, top, 0.0) - 1.0) * HIST_PER_UNIT).to(tl.int32), 0)
         sh = tl.maximum(new_base - base, 0)
-        lanes = tl.where(sh[:, None] >= HIST_FIELDS, 0, lanes >> (4 * tl.minimum(sh, 15)).to(tl.uint64)[:, None])
+        if tl.max(sh, 0) > 0:  # some row's window moved up: its packed counters shift down by whole bins
+            lanes = tl.where(sh[:, None] >= HIST_FIELDS, 0, lanes >> (4 * tl.minimum(sh, 15)).to(tl.uint64)[:, None])
         base = new_base
-        ok = s > float("-inf")
-        j = _bin_of(s, ok, base)
-        lanes += tl.where(ok & (j >= 0), one << (4 * tl.maximum(j, 0)).to(tl.uint64), 0)
-        i += 1
-        if i % (HIST_FIELDS - 1) == 0:
-            cnt = _flush_hist(cnt, cbase, lanes, base, fidx)
-            cbase = base
-            lanes = tl.zeros([GROUP * BLOCK_M, BLOCK_N], tl.uint64)
+        # a tile none of whose scores reaches its row's window adds nothing: skipped (the same counts)
+        if tl.max(_bin_of(tile_top, tile_top > float("-inf"), base, 1), 0) >= 0:
+            j = _bin_of(s, s > float("-inf"), base, 2)
+            lanes += tl.where(j >= 0, one << (4 * tl.maximum(j, 0)).to(tl.uint64), 0)
+            i += 1
+            if i % (HIST_FIELDS - 1) == 0:  # a lane counts at most one score per tile: flush before a field fills
+                cnt = _flush_hist(cnt, cbase, lanes, base, fidx)
+                cbase = base
+                lanes = tl.zeros([GROUP * BLOCK_M, BLOCK_N], tl.uint64)
     cnt = _flush_hist(cnt, cbase, lanes, base, fidx)
     top = tl.where(top > float("-inf"), top, 0.0)
 
@@ -260,12 +267,14 @@ def _entmax_fwd_kernel(
     for start in range(lo_key, hi_key, BLOCK_N):
         s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
                                        fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
-        p, u = _pow_terms(tl.maximum(s - t[:, None], 0.0), em1c, MODE)
-        f += tl.sum(p, 1)
-        fp += tl.sum(u, 1)
-        if MODE == 1:  # f'' for Halley (the other modes take a Newton step)
-            count += tl.sum(tl.where(s > t[:, None], 1.0, 0.0), 1)
-        cand = _per_head(tl.max(tl.where(s > tau_cand[:, None], 1, 0), 1), GROUP, BLOCK_M)
+        tile_top = tl.max(s, 1)
+        if tl.max(tile_top - t, 0) > 0:  # a tile with no score above t adds nothing to f, f', f'': skipped
+            p, u = _pow_terms(tl.maximum(s - t[:, None], 0.0), em1c, MODE)
+            f += tl.sum(p, 1)
+            fp += tl.sum(u, 1)
+            if MODE == 1:  # f'' for Halley (the other modes take a Newton step)
+                count += tl.sum(tl.where(s > t[:, None], 1.0, 0.0), 1)
+        cand = _per_head(tl.where(tile_top > tau_cand, 1, 0), GROUP, BLOCK_M)
         tl.store(TILES + tile_rows + start // BLOCK_N, tl.where(cand > 0, 3, 1).to(tl.uint8), mask=g_ok)
     f = f - 1.0
     fp = -fp * (em1 + 1.0)  # f'
