@@ -44,7 +44,8 @@ def _tanh(x):
 @triton.jit
 def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
             HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
-    """Scaled logits s = (α-1)·softcap(scale·q·kᵀ) of one tile (fp32), -inf where masked; also tanh for backward.
+    """Scaled logits s = (α-1)·softcap(scale·q·kᵀ) of one tile (fp32), -inf where masked; also t for the backward
+    (with softcap its tanh term, else scale·q·kᵀ).
 
     The mask (causal, sequence ends, window, left padding) is built only for a tile that needs it: one whose keys
     are all visible to all its rows (the tiles below the diagonal, most of them) takes the scores as they are."""
@@ -52,11 +53,13 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
         z = tl.dot(q, tl.trans(k), input_precision=FP32_DOT)
     else:
         z = tl.dot(q, tl.trans(k))
-    z = z * scale
-    t = z
     if HAS_SOFTCAP:
-        t = _tanh(z / softcap)
+        t = _tanh(z * scale / softcap)
         z = softcap * t
+        mul = am1
+    else:  # one product per score: s = z·(scale·(α-1)); t = scale·z only where the backward uses it
+        t = z * scale
+        mul = am1 * scale
     m_first = tl.min(offs_m, 0)
     m_last = tl.max(offs_m, 0)
     n_first = tl.min(offs_n, 0)
@@ -67,7 +70,7 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
     if HAS_FV:
         interior = interior & (n_first >= fv)
     if interior:
-        s = z * am1
+        s = z * mul
     else:
         q_abs = offs_m + q_off
         valid = (offs_m[:, None] < sq) & (offs_n[None, :] < skv) & (offs_n[None, :] <= q_abs[:, None])
@@ -75,7 +78,7 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
             valid = valid & (offs_n[None, :] > q_abs[:, None] - window)
         if HAS_FV:
             valid = valid & (offs_n[None, :] >= fv)
-        s = tl.where(valid, z * am1, float("-inf"))
+        s = tl.where(valid, z * mul, float("-inf"))
     return s, t
 
 
