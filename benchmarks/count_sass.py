@@ -37,8 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-H200_SHARED = 232448  # bytes of shared memory a CTA may use on an H100 / H200 (227 KB)
-
 
 @dataclass
 class Launch:
