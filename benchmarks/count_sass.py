@@ -32,8 +32,9 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
@@ -269,13 +270,9 @@ def launch_bfla(head_dim: int, dtype: torch.dtype, backward: bool = True) -> Non
     ids = torch.zeros((b, hkv, nq, nq), dtype=torch.int32)
     bm, bn, hpt = bfla_fwd.fwd_tiles(hq // hkv, bs, head_dim, True)
     o, lse = bfla_fwd._launch_fwd(q, k, v, counts, ids, head_dim**-0.5, 0.0, 0, bs, bm, bn, hpt)
-    if backward:
-        compiled = bfla_bwd.compiled_on_cuda
-        bfla_bwd.compiled_on_cuda = lambda q: True  # the tile sizes of a compiled (not interpreted) run
-        try:
+    if backward:  # with the tile sizes of a compiled (not interpreted) run
+        with mock.patch.object(bfla_bwd, "compiled_on_cuda", lambda q: True):
             bfla_bwd.triton_bwd(o, q, k, v, o, lse.float(), counts, ids, head_dim**-0.5, 0.0, 0, bs)
-        finally:
-            bfla_bwd.compiled_on_cuda = compiled
 
 
 def launch_plan(nk: int = 16, key_chunks: tuple[int, ...] = (0, 2)) -> None:
@@ -296,21 +293,6 @@ def launch_plan(nk: int = 16, key_chunks: tuple[int, ...] = (0, 2)) -> None:
                 sliding_window=512, config=BflaConfig(keep_mass=(0.9,) * hq), first_valid=fv)
 
 
-def _entmax_warps(warps: int):
-    from hf_sparse_attn.kernels import entmax_triton as KT
-
-    @contextmanager
-    def setting():
-        old = KT.WARPS_16BIT
-        KT.WARPS_16BIT = warps
-        try:
-            yield
-        finally:
-            KT.WARPS_16BIT = old
-
-    return setting()
-
-
 GROUPS = {  # name -> (launch, source file of its kernels)
     "entmax_fwd": (lambda: launch_entmax(1, torch.bfloat16, backward=False, softcap=None), "entmax_triton.py"),
     "entmax_bwd": (lambda: launch_entmax(1, torch.bfloat16, softcap=None), "entmax_triton.py"),
@@ -322,11 +304,13 @@ GROUPS = {  # name -> (launch, source file of its kernels)
 
 def report(groups: list[str], warps: list[int], with_sass: bool = True) -> list[dict]:
     """Compile each group's launches (entmax at each of ``warps``) and count them."""
+    from hf_sparse_attn.kernels import entmax_triton as KT
+
     rows, seen = [], set()
     for group in groups:
         launch, source = GROUPS[group]
         for w in warps if group.startswith("entmax") else [None]:
-            with compile_launches() as launches, (_entmax_warps(w) if w else _null()):
+            with compile_launches() as launches, (mock.patch.object(KT, "WARPS_16BIT", w) if w else nullcontext()):
                 launch()
             for lc in launches:
                 key = (lc.name, lc.num_warps)
@@ -339,11 +323,6 @@ def report(groups: list[str], warps: list[int], with_sass: bool = True) -> list[
                     row["loops"] = loops(disassemble(lc.kernel.asm["cubin"], source))
                 rows.append(row)
     return rows
-
-
-@contextmanager
-def _null():
-    yield
 
 
 def _print(rows: list[dict]) -> None:

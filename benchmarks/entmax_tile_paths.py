@@ -56,6 +56,11 @@ def _bench_module():
     return module
 
 
+def _any_row(x: torch.Tensor, nt: int) -> torch.Tensor:
+    """(S, NT) per-row flags -> (NT, NT): whether any row of each query tile has it."""
+    return x.view(nt, TILE, nt).any(1)
+
+
 def tile_paths(q: torch.Tensor, k: torch.Tensor, scale: float, alpha: float = 1.5) -> dict[str, int]:
     """Counts of the paths the forward's key tiles take, over every (head, query tile) of ``q (1,Hq,S,D)``,
     ``k (1,Hkv,S,D)`` (causal, S a multiple of 64)."""
@@ -77,13 +82,12 @@ def tile_paths(q: torch.Tensor, k: torch.Tensor, scale: float, alpha: float = 1.
         seen = run > float("-inf")
         base = torch.where(seen, torch.floor((torch.where(seen, run, 0.0) - 1.0) * BINS), 0.0)
         prev = torch.cat([torch.zeros(s, 1), base[:, :-1]], 1)
-        per_tile = lambda x: x.view(nt, TILE, nt).any(1)  # noqa: E731 - any row of the query tile
         finite = top > float("-inf")
-        count = per_tile(finite & (torch.floor(torch.where(finite, top, 0.0) * BINS) - base >= 0)) & vis
-        rebase = per_tile(base > prev) & vis
+        count = _any_row(finite & (torch.floor(torch.where(finite, top, 0.0) * BINS) - base >= 0), nt) & vis
+        rebase = _any_row(base > prev, nt) & vis
         t = tau[0, h][:, None]
-        summed = per_tile(top > t) & vis
-        cand = per_tile(top > t - 1.0 / BINS) & vis
+        summed = _any_row(top > t, nt) & vis
+        cand = _any_row(top > t - 1.0 / BINS, nt) & vis
         nonzero = tiles[0, h] == 2
         out["tiles"] += int(vis.sum())
         out["masked"] += int(diag.sum())

@@ -57,6 +57,7 @@ def sm90():
 def _check(launches, expected: set[str], max_spill: int | None = MAX_SPILL):
     assert {lc.name for lc in launches} == expected
     for lc in launches:
+        assert "cubin" in lc.kernel.asm
         shared = int(lc.kernel.metadata.shared)
         assert shared <= H200_SHARED, f"{lc.name} needs {shared} bytes of shared memory (H200: {H200_SHARED})"
         usage = COUNT_SASS.ptxas_usage(lc.kernel.asm["ptx"])

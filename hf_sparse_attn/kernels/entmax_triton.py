@@ -145,13 +145,10 @@ def _flush_hist(cnt, cbase, lanes, base, fidx):
 
 
 @triton.jit
-def _bin_of(s, ok, base, NDIM: tl.constexpr):
-    """Field of each score ``s`` (NDIM 2: (rows, keys); 1: one per row) in the window that starts at absolute bin
-    ``base`` (rows,); negative: below the window, or not ``ok`` (masked)."""
-    if NDIM == 2:
-        j = tl.floor(tl.where(ok, s, 0.0) * HIST_PER_UNIT).to(tl.int32) - base[:, None]
-    else:
-        j = tl.floor(tl.where(ok, s, 0.0) * HIST_PER_UNIT).to(tl.int32) - base
+def _bin_of(s, ok, base):
+    """Field of each score ``s`` in the window that starts at absolute bin ``base`` (shaped to broadcast against
+    ``s``); negative: below the window, or not ``ok`` (masked)."""
+    j = tl.floor(tl.where(ok, s, 0.0) * HIST_PER_UNIT).to(tl.int32) - base
     return tl.where(ok, tl.minimum(j, HIST_FIELDS - 1), -1)
 
 
@@ -244,8 +241,8 @@ def _entmax_fwd_kernel(
             lanes = tl.where(sh[:, None] >= HIST_FIELDS, 0, lanes >> (4 * tl.minimum(sh, 15)).to(tl.uint64)[:, None])
         base = new_base
         # a tile none of whose scores reaches its row's window adds nothing: skipped (the same counts)
-        if tl.max(_bin_of(tile_top, tile_top > float("-inf"), base, 1), 0) >= 0:
-            j = _bin_of(s, s > float("-inf"), base, 2)
+        if tl.max(_bin_of(tile_top, tile_top > float("-inf"), base), 0) >= 0:
+            j = _bin_of(s, s > float("-inf"), base[:, None])
             lanes += tl.where(j >= 0, one << (4 * tl.maximum(j, 0)).to(tl.uint64), 0)
             i += 1
             if i % (HIST_FIELDS - 1) == 0:  # a lane counts at most one score per tile: flush before a field fills
