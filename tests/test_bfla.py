@@ -550,6 +550,50 @@ def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
     assert any(masked_calls) == ((skv - sq) % 32 == 0)  # the aligned path runs exactly when aligned
 
 
+@pytest.mark.parametrize("b,sq,skv,batch", [(1, 300, 300, 16), (2, 236, 300, 3), (1, 256, 256, 1)],
+                         ids=["partial-last-block", "offset-batch2", "one-block-batches"])
+def test_batched_aligned_path_equals_the_per_block_path_bit_for_bit(b, sq, skv, batch, monkeypatch):
+    """The aligned inference path runs the full query blocks of a KV head that keep as many blocks as one batched
+    flash call (``_attend_aligned_batch``): bit for bit what one ``_attend_aligned`` call per query block gives,
+    in fewer flash calls."""
+    from hf_sparse_attn.methods.bfla import attend_cpu
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return flash(*a, **kw)
+
+    q, k, v = _qkv(b=b, hq=6, hkv=2, sq=sq, skv=skv, d=16, seed=11)
+    cfg = _cfg(block_size=32, keep_mass=0.5)
+    monkeypatch.setattr(attend_cpu, "BATCH_BLOCKS", batch)
+    with torch.no_grad():
+        plan = bfla.make_plan(q, k, scale=0.25, config=cfg)
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy)
+        out = bfla.attend(q, k, v, plan, scale=0.25, config=cfg)
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", flash)
+        off, bs, rep = skv - sq, 32, 3
+        nk = -(-skv // bs)
+        kb, vb = (torch.nn.functional.pad(x, (0, 0, 0, nk * bs - skv)).unflatten(2, (nk, bs)) for x in (k, v))
+        mask = {n: attend_cpu._causal_tile_mask(rep, n, bs, q.dtype) for n in (bs, sq % bs or bs)}
+        expected = torch.empty_like(q)
+        for r in range(b):
+            for h in range(2):
+                for i in range(-(-sq // bs)):
+                    r0, r1 = i * bs, min(sq, (i + 1) * bs)
+                    n = int(plan.counts[r, h, i])
+                    o = attend_cpu._attend_aligned(q[r, h * rep : (h + 1) * rep, r0:r1], kb[r, h], vb[r, h], k[r, h],
+                                                   v[r, h], plan.ids[r, h, i, :n].long(), i + off // bs, 0.25,
+                                                   mask[r1 - r0])
+                    expected[r, h * rep : (h + 1) * rep, r0:r1] = o.view(rep, r1 - r0, -1)
+    assert bfla.plan_density(plan).max() < 1  # no dense head: every head took the sparse path
+    assert torch.equal(out, expected)
+    per_block_calls = sum(1 + (int(c) > 1) for c in plan.counts.flatten())
+    assert len(calls) < per_block_calls if batch > 1 else len(calls) == per_block_calls
+    assert 1 < max(calls) <= batch if batch > 1 else max(calls) == 1  # batch sizes of the flash calls
+
+
 @pytest.mark.parametrize(
     "b,hq,hkv,sq,skv,d,bs,r",
     [(1, 4, 2, 1000, 1000, 16, 32, 4), (2, 6, 2, 700, 900, 8, 16, 3), (1, 3, 3, 2048, 2048, 64, 128, 8),

@@ -11,6 +11,7 @@ from ..dense import dense_attention
 from .cpu_threads import flash_cpu, parallel_map
 
 MIN_RUN_BLOCKS = 4  # a run of at least this many consecutive kept blocks is attended as a view (no copy)
+BATCH_BLOCKS = 16  # full query blocks per batched flash call of the aligned path (:func:`_attend_aligned_batch`)
 
 
 def _full_key_runs(ids: torch.Tensor, kb_h, vb_h, k_h, v_h, bs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -118,6 +119,57 @@ def _attend_aligned(qq, kb_h, vb_h, k_h, v_h, ids_i, diag: int, scale: float, di
     return o.view(rep * rows, d).to(qq.dtype)
 
 
+def _attend_aligned_batch(q_h, kb_h, vb_h, ids_h, blocks, n_before: int, has_diag: bool, diag0: int, scale: float,
+                          diag_mask) -> torch.Tensor:
+    """:func:`_attend_aligned` for several full query blocks of one KV head at once: blocks that keep the same
+    number ``n_before`` of blocks before their diagonal (and all keep the diagonal, or none) go through one batched
+    flash call over their gathered K/V (plus one batched call for their diagonal tiles), the same arithmetic per
+    block as :func:`_attend_aligned` (equal bit for bit) with one call instead of one per block.
+
+    ``q_h (rep, full, bs, D)`` the KV group's queries as blocks, ``kb_h``/``vb_h (NK, bs, D)``, ``ids_h (NQ, n)``
+    kept ids ascending, ``blocks (G,)`` the query blocks, ``diag0`` the key block of query block 0. Returns
+    ``(rep, G, bs, D)`` in ``q_h``'s dtype."""
+    rep, _, bs, d = q_h.shape
+    g = blocks.numel()
+    qq = q_h.index_select(1, blocks).transpose(0, 1).reshape(g, 1, rep * bs, d)
+    parts = []
+    if n_before:
+        sel = ids_h.index_select(0, blocks)[:, :n_before].reshape(-1)
+        kk = kb_h.index_select(0, sel).view(g, 1, n_before * bs, d)
+        vv = vb_h.index_select(0, sel).view(g, 1, n_before * bs, d)
+        parts.append(flash_cpu(qq, kk, vv, scale))
+    if has_diag:
+        kk = kb_h.index_select(0, blocks + diag0).view(g, 1, bs, d)
+        vv = vb_h.index_select(0, blocks + diag0).view(g, 1, bs, d)
+        parts.append(flash_cpu(qq, kk, vv, scale, diag_mask))
+    if len(parts) == 1:
+        o = parts[0][0]
+    else:
+        (o1, l1), (o2, l2) = parts
+        lse = torch.logaddexp(l1, l2)
+        o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    return o.view(g, rep, bs, d).transpose(0, 1).to(q_h.dtype)
+
+
+def _aligned_batches(counts, ids, heads, full: int, diag0: int, most: int) -> list[tuple]:
+    """Work items of the batched aligned path: the full query blocks of every ``(batch row, KV head)`` in ``heads``
+    grouped by (kept blocks before the diagonal, diagonal kept), at most ``most`` blocks an item, costliest first.
+    Items: ``(cost, n_before, has_diag, r, h, blocks)``."""
+    cnt = counts[:, :, :full].long()
+    last = ids[:, :, :full].gather(3, (cnt - 1).clamp_min(0)[..., None])[..., 0]
+    has = (cnt > 0) & (last == torch.arange(full) + diag0)
+    before = (cnt - has.long()).tolist()
+    has = has.tolist()
+    groups: dict[tuple, list[int]] = {}
+    for r, h in heads:
+        for i in range(full):
+            groups.setdefault((before[r][h][i], has[r][h][i], r, h), []).append(i)
+    items = [(nb * len(blk[c : c + most]) + len(blk[c : c + most]), nb, hd, r, h, blk[c : c + most])
+             for (nb, hd, r, h), blk in groups.items() for c in range(0, len(blk), most)]
+    items.sort(key=lambda it: -it[0])
+    return items
+
+
 def _causal_tile_mask(rep: int, rows: int, bs: int, dtype) -> torch.Tensor:
     """``(rep*rows, bs)`` additive mask of a diagonal tile: query ``t`` of each head sees keys ``<= t``."""
     keep = torch.ones(rows, bs, dtype=torch.bool).tril()
@@ -125,39 +177,58 @@ def _causal_tile_mask(rep: int, rows: int, bs: int, dtype) -> torch.Tensor:
 
 
 def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window):
-    """The no-grad CPU path: every (batch row, KV head, query block) item through :func:`_attend_aligned` (a
-    prefill from a block boundary without window, padding or softcap) or else :func:`_attend_split`, the items
-    spread over ``torch.get_num_threads()`` pool threads with single-threaded ops (:mod:`.cpu_threads`), each
-    writing its rows of the output; a dense head (every valid tile kept in every batch row) as one exact SDPA call
-    on the caller's threads. ``fv (B,)`` left padding or None. Returns ``(B,Hq,Sq,D)``."""
+    """The no-grad CPU path, spread over ``torch.get_num_threads()`` pool threads with single-threaded ops
+    (:mod:`.cpu_threads`), each item writing its rows of the output. A prefill from a block boundary without
+    window, padding or softcap: the full query blocks of a KV head in batches of up to ``BATCH_BLOCKS`` that keep
+    as many blocks (:func:`_attend_aligned_batch`), a partial last block through :func:`_attend_aligned`; otherwise
+    every (batch row, KV head, query block) through :func:`_attend_split`. A dense head (every valid tile kept in
+    every batch row) as one exact SDPA call on the caller's threads. ``fv (B,)`` left padding or None. Returns
+    ``(B,Hq,Sq,D)``."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    rep, bs = hq // hkv, kb.shape[3]
+    rep, bs, nq = hq // hkv, kb.shape[3], counts.shape[2]
     out = torch.empty_like(q)
     pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
     cnt = counts.tolist()
-    items = []
+    aligned = fv is None and softcap is None and sliding_window is None and off % bs == 0
+    full = sq // bs if aligned else 0  # query blocks that run batched
+    sparse_heads = []
     for h in range(hkv):
         heads = slice(h * rep, (h + 1) * rep)
         if bool((counts[:, h] == n_valid).all()):
             out[:, heads] = dense_attention(q[:, heads], k[:, h : h + 1], v[:, h : h + 1], pad_mask, scale=scale,
                                             causal=True, softcap=softcap, sliding_window=sliding_window)
-            continue
-        items += [(cnt[r][h][i], r, h, i) for r in range(b) for i in range(counts.shape[2])]
-    items.sort(reverse=True)  # costliest first: the pool hands items out one by one
-
-    aligned = fv is None and softcap is None and sliding_window is None and off % bs == 0
-    if aligned:  # prefill from a block boundary: the lean two-call path (:func:`_attend_aligned`)
+        else:
+            sparse_heads += [(r, h) for r in range(b)]
+    items = [(cnt[r][h][i], None, r, h, i) for r, h in sparse_heads for i in range(full, nq)]
+    if full:
+        items += [(cost, (nb, hd, blocks), r, h, None)
+                  for cost, nb, hd, r, h, blocks in _aligned_batches(counts, ids, sparse_heads, full, off // bs,
+                                                                     BATCH_BLOCKS)]
+    items.sort(key=lambda it: -it[0])  # costliest first: the pool hands items out one by one
+    if aligned:  # the causal mask of a diagonal tile, for a full and for the partial last query block
         tile_mask = {rows: _causal_tile_mask(rep, rows, bs, q.dtype) for rows in {bs, sq - (sq - 1) // bs * bs}}
 
     def run(item):
-        n, r, h, i = item
+        n, batch, r, h, i = item
+        heads = slice(h * rep, (h + 1) * rep)
+        if batch is not None:
+            nb, hd, blocks = batch
+            blocks = torch.tensor(blocks)
+            dst = out[r, heads, : full * bs].unflatten(1, (full, bs))
+            if not (nb or hd):  # no kept block (cannot happen without padding; kept for safety): no key, zeros
+                dst.index_fill_(1, blocks, 0.0)
+                return
+            o = _attend_aligned_batch(q[r, heads, : full * bs].unflatten(1, (full, bs)), kb[r, h], vb[r, h],
+                                      ids[r, h], blocks, nb, hd, off // bs, scale, tile_mask[bs])
+            dst.index_copy_(1, blocks, o)
+            return
         r0, r1 = i * bs, min(sq, (i + 1) * bs)
-        dst = out[r, h * rep : (h + 1) * rep, r0:r1]
+        dst = out[r, heads, r0:r1]
         if n == 0:  # only padding queries (left padding): no key for any row
             dst.zero_()
             return
-        qq, sel = q[r, h * rep : (h + 1) * rep, r0:r1], ids[r, h, i, :n]
+        qq, sel = q[r, heads, r0:r1], ids[r, h, i, :n]
         if aligned:
             o = _attend_aligned(qq, kb[r, h], vb[r, h], k[r, h], v[r, h], sel, i + off // bs, scale, tile_mask[r1 - r0])
             dst.copy_(o.view(rep, r1 - r0, d))
