@@ -128,10 +128,10 @@ def _attend_aligned_batch(q_h, kb_h, vb_h, ids_h, blocks, n_before: int, has_dia
 
     ``q_h (rep, full, bs, D)`` the KV group's queries as blocks, ``kb_h``/``vb_h (NK, bs, D)``, ``ids_h (NQ, n)``
     kept ids ascending, ``blocks (G,)`` the query blocks, ``diag0`` the key block of query block 0. Returns
-    ``(rep, G, bs, D)`` in ``q_h``'s dtype."""
+    ``(G, rep, bs, D)`` in ``q_h``'s dtype."""
     rep, _, bs, d = q_h.shape
     g = blocks.numel()
-    qq = q_h.index_select(1, blocks).transpose(0, 1).reshape(g, 1, rep * bs, d)
+    qq = q_h.transpose(0, 1)[blocks].reshape(g, 1, rep * bs, d)  # (index_select on dim 1 would copy all of q_h)
     parts = []
     if n_before:
         sel = ids_h.index_select(0, blocks)[:, :n_before].reshape(-1)
@@ -148,7 +148,7 @@ def _attend_aligned_batch(q_h, kb_h, vb_h, ids_h, blocks, n_before: int, has_dia
         (o1, l1), (o2, l2) = parts
         lse = torch.logaddexp(l1, l2)
         o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
-    return o.view(g, rep, bs, d).transpose(0, 1).to(q_h.dtype)
+    return o.view(g, rep, bs, d).to(q_h.dtype)
 
 
 def _aligned_batches(counts, ids, heads, full: int, diag0: int, most: int) -> list[tuple]:
@@ -164,7 +164,7 @@ def _aligned_batches(counts, ids, heads, full: int, diag0: int, most: int) -> li
     for r, h in heads:
         for i in range(full):
             groups.setdefault((before[r][h][i], has[r][h][i], r, h), []).append(i)
-    items = [(nb * len(blk[c : c + most]) + len(blk[c : c + most]), nb, hd, r, h, blk[c : c + most])
+    items = [((nb + 1) * len(blk[c : c + most]), nb, hd, r, h, blk[c : c + most])
              for (nb, hd, r, h), blk in groups.items() for c in range(0, len(blk), most)]
     items.sort(key=lambda it: -it[0])
     return items
@@ -215,13 +215,14 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
         if batch is not None:
             nb, hd, blocks = batch
             blocks = torch.tensor(blocks)
-            dst = out[r, heads, : full * bs].unflatten(1, (full, bs))
-            if not (nb or hd):  # no kept block (cannot happen without padding; kept for safety): no key, zeros
-                dst.index_fill_(1, blocks, 0.0)
+            dst = out[r, heads, : full * bs].unflatten(1, (full, bs)).transpose(0, 1)  # (full, rep, bs, D)
+            if not (nb or hd):  # no kept block: no key, zeros (as below)
+                dst[blocks] = 0.0
                 return
             o = _attend_aligned_batch(q[r, heads, : full * bs].unflatten(1, (full, bs)), kb[r, h], vb[r, h],
                                       ids[r, h], blocks, nb, hd, off // bs, scale, tile_mask[bs])
-            dst.index_copy_(1, blocks, o)
+            for j, i in enumerate(batch[2]):  # block by block: index_put_ into this strided view is elementwise
+                dst[i].copy_(o[j])
             return
         r0, r1 = i * bs, min(sq, (i + 1) * bs)
         dst = out[r, heads, r0:r1]
