@@ -43,7 +43,7 @@ class BflaConfig(MethodConfig):
       rows lose mass in sharp layers (93 %).
     * ``keep_mass=0.95``: calibrated, see above.
     * ``block_size=128``: the estimate, the lists and the kernel tile share one grid; 128 amortizes the per-block
-      work of the CPU path (one SDPA call per query block and KV head) and matches the GPU kernel's tiles.
+      work of the CPU path (flash calls over gathered K/V blocks) and matches the GPU kernel's tiles.
     * ``sink=1``, ``local=1``: the first key block and the key blocks overlapping the query block's positions plus
       one block back are always kept (attention sinks and local context; ≈ 3 blocks per row).
     * ``dense_last_blocks=1``: the last query block produces the next token; it is computed densely.
