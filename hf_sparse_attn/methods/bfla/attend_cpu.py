@@ -213,16 +213,16 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
         n, batch, r, h, i = item
         heads = slice(h * rep, (h + 1) * rep)
         if batch is not None:
-            nb, hd, blocks = batch
-            blocks = torch.tensor(blocks)
+            nb, hd, block_list = batch
+            blocks = torch.tensor(block_list)
             dst = out[r, heads, : full * bs].unflatten(1, (full, bs)).transpose(0, 1)  # (full, rep, bs, D)
             if not (nb or hd):  # no kept block: no key, zeros (as below)
                 dst[blocks] = 0.0
                 return
             o = _attend_aligned_batch(q[r, heads, : full * bs].unflatten(1, (full, bs)), kb[r, h], vb[r, h],
                                       ids[r, h], blocks, nb, hd, off // bs, scale, tile_mask[bs])
-            for j, i in enumerate(batch[2]):  # block by block: index_put_ into this strided view is elementwise
-                dst[i].copy_(o[j])
+            for j, blk in enumerate(block_list):  # block by block: index_put_ into this strided view is elementwise
+                dst[blk].copy_(o[j])
             return
         r0, r1 = i * bs, min(sq, (i + 1) * bs)
         dst = out[r, heads, r0:r1]
