@@ -42,13 +42,17 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
-            HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
+def _scores(q, k, offs_m, offs_n, m_first, n_first, q_off, sq, skv, window, fv, scale, am1, softcap,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr,
+            FP32: tl.constexpr):
     """Scaled logits s = (α-1)·softcap(scale·q·kᵀ) of one tile (fp32), -inf where masked; also t for the backward
     (with softcap its tanh term, else scale·q·kᵀ).
 
     The mask (causal, sequence ends, window, left padding) is built only for a tile that needs it: one whose keys
-    are all visible to all its rows (the tiles below the diagonal, most of them) takes the scores as they are."""
+    are all visible to all its rows (the tiles below the diagonal, most of them) takes the scores as they are. The
+    tile's query positions are ``m_first .. m_first + BLOCK_M - 1`` (``offs_m``, maybe repeated per packed head), its
+    keys ``n_first .. n_first + BLOCK_N - 1``: the test reads the bounds from these scalars, not by reducing the
+    offset vectors on every tile."""
     if FP32:
         z = tl.dot(q, tl.trans(k), input_precision=FP32_DOT)
     else:
@@ -60,10 +64,8 @@ def _scores(q, k, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softca
     else:  # one product per score: s = z·(scale·(α-1)); t = scale·z only where the backward uses it
         t = z * scale
         mul = am1 * scale
-    m_first = tl.min(offs_m, 0)
-    m_last = tl.max(offs_m, 0)
-    n_first = tl.min(offs_n, 0)
-    n_last = tl.max(offs_n, 0)
+    m_last = m_first + BLOCK_M - 1
+    n_last = n_first + BLOCK_N - 1
     interior = (m_last < sq) & (n_last < skv) & (n_last <= m_first + q_off)
     if window > 0:
         interior = interior & (n_first > m_last + q_off - window)
@@ -95,12 +97,14 @@ def _key_range(pid_m, q_off, skv, window, fv, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv, scale, am1, softcap,
-                     HAS_SOFTCAP: tl.constexpr, HAS_FV: tl.constexpr, FP32: tl.constexpr):
-    """Load the key sub-tile ``offs_n`` and score it (:func:`_scores`) -> (s, tanh term, the loaded K tile)."""
+def _key_tile_scores(q, k_base, skn, skd, start, offs_nb, offs_d, offs_m, m_first, q_off, sq, skv, window, fv, scale,
+                     am1, softcap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     HAS_FV: tl.constexpr, FP32: tl.constexpr):
+    """Load the key sub-tile ``start + offs_nb`` and score it (:func:`_scores`) -> (s, tanh term, the K tile)."""
+    offs_n = start + offs_nb
     kt = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=(offs_n < skv)[:, None], other=0.0)
-    s, t = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
-                   HAS_SOFTCAP, HAS_FV, FP32)
+    s, t = _scores(q, kt, offs_m, offs_n, m_first, start, q_off, sq, skv, window, fv, scale, am1, softcap,
+                   BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_FV, FP32)
     return s, t, kt
 
 
@@ -197,7 +201,8 @@ def _entmax_fwd_kernel(
     rows = tl.arange(0, GROUP * BLOCK_M)
     g_row = rows // BLOCK_M
     head = h0 + tl.minimum(g_row, hpp - 1)  # (R,) query head of each row
-    offs_m = pid_m * BLOCK_M + rows % BLOCK_M  # (R,) query position of each row
+    m_first = pid_m * BLOCK_M
+    offs_m = m_first + rows % BLOCK_M  # (R,) query position of each row
     gidx = tl.arange(0, GROUP)
     g_ok = gidx < hpp
     am1 = tl.load(ALPHA + head).to(tl.float32) - 1.0  # (R,) α - 1 of each row's head
@@ -230,8 +235,8 @@ def _entmax_fwd_kernel(
     one = tl.full([GROUP * BLOCK_M, BLOCK_N], 1, tl.uint64)
     i = 0
     for start in range(lo_key, hi_key, BLOCK_N):
-        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
-                                       fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start, offs_nb, offs_d, offs_m, m_first, q_off, sq, skv,
+                                      window, fv, scale, am1c, softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_FV, FP32)
         tile_top = tl.max(s, 1)
         top = tl.maximum(top, tile_top)
         seen = top > float("-inf")
@@ -265,8 +270,8 @@ def _entmax_fwd_kernel(
     fp = tl.zeros([GROUP * BLOCK_M], tl.float32)
     count = tl.zeros([GROUP * BLOCK_M], tl.float32)
     for start in range(lo_key, hi_key, BLOCK_N):
-        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start + offs_nb, offs_d, offs_m, q_off, sq, skv, window,
-                                       fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+        s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start, offs_nb, offs_d, offs_m, m_first, q_off, sq, skv,
+                                      window, fv, scale, am1c, softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_FV, FP32)
         tile_top = tl.max(s, 1)
         if tl.max(tile_top - t, 0) > 0:  # a tile with no score above t adds nothing to f, f', f'': skipped
             p, u = _pow_terms(tl.maximum(s - t[:, None], 0.0), em1c, MODE)
@@ -307,8 +312,9 @@ def _entmax_fwd_kernel(
                 state = tl.load(TILES + tile_rows + start // BLOCK_N, mask=g_ok, other=0)
                 if tl.max(state, 0) >= 2:
                     offs_n = start + offs_nb
-                    s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window,
-                                                   fv, scale, am1c, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+                    s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start, offs_nb, offs_d, offs_m, m_first, q_off,
+                                                  sq, skv, window, fv, scale, am1c, softcap, BLOCK_M, BLOCK_N,
+                                                  HAS_SOFTCAP, HAS_FV, FP32)
                     d = tl.maximum(s - t[:, None], 0.0)
                     d_max = tl.max(d, 1)
                     nz_head = _per_head(d_max, GROUP, BLOCK_M) > 0
@@ -370,7 +376,8 @@ def _entmax_bwd_dq_kernel(
     hk = h // rep
     am1 = tl.load(ALPHA + h).to(tl.float32) - 1.0
     em1 = 1.0 / am1 - 1.0
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_first = pid_m * BLOCK_M
+    offs_m = m_first + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < sq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
@@ -394,8 +401,8 @@ def _entmax_bwd_dq_kernel(
         if tl.load(TILES + tile_row + start // BLOCK_N) == 2:
             offs_n = start + offs_nb
             kv_mask = offs_n < skv
-            s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
-                                           scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+            s, _t, _kt = _key_tile_scores(q, k_base, skn, skd, start, offs_nb, offs_d, offs_m, m_first, q_off, sq, skv,
+                                          window, fv, scale, am1, softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_FV, FP32)
             d = tl.maximum(s - tau[:, None], 0.0)
             _p, u = _pow_terms(d, em1, MODE)
             vt = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask[:, None], other=0.0)
@@ -419,8 +426,8 @@ def _entmax_bwd_dq_kernel(
                 tl.store(VISITS + tile_row + start // BLOCK_N, 1)
             offs_n = start + offs_nb
             kv_mask = offs_n < skv
-            s, t, kt = _key_tile_scores(q, k_base, skn, skd, offs_n, offs_d, offs_m, q_off, sq, skv, window, fv,
-                                        scale, am1, softcap, HAS_SOFTCAP, HAS_FV, FP32)
+            s, t, kt = _key_tile_scores(q, k_base, skn, skd, start, offs_nb, offs_d, offs_m, m_first, q_off, sq, skv,
+                                        window, fv, scale, am1, softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_FV, FP32)
             d = tl.maximum(s - tau[:, None], 0.0)
             p, u = _pow_terms(d, em1, MODE)
             p = p * inv_norm[:, None]
@@ -494,8 +501,8 @@ def _entmax_bwd_dkdv_kernel(
                             mask=row_ok[:, None], other=0.0)
                 row = (b * hq + h) * sq + offs_m
                 tau = tl.load(TAU + row, mask=row_ok, other=3.0e38)
-                s, t = _scores(q, kt, offs_m, offs_n, q_off, sq, skv, window, fv, scale, am1, softcap,
-                               HAS_SOFTCAP, HAS_FV, FP32)
+                s, t = _scores(q, kt, offs_m, offs_n, start, pid_n * BLOCK_N, q_off, sq, skv, window, fv, scale, am1,
+                               softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_FV, FP32)
                 d = tl.maximum(s - tau[:, None], 0.0)
                 p, u = _pow_terms(d, em1, MODE)
                 inv_norm = 1.0 / tl.load(NORM + row, mask=row_ok, other=1.0)
