@@ -38,7 +38,8 @@ BINS = 15  # kernels.entmax_triton.HIST_PER_UNIT
 
 # Instructions per tile and path (count_sass.py, 2026-12-05; "before": the kernel of 2026-12-04, where pass A always
 # rebased and counted, pass B always summed, and a score took two products). masked: extra on a tile that needs the
-# causal mask.
+# causal mask. "now" is the kernel of commit 940ee8b; the nineteenth session's tile bounds (6ff07ce) take another
+# 15-17 off the skip paths (A 283 -> 266, B 273 -> 258) and ~17 off pass C, not folded in here (see RESULTS.md).
 PATHS = {
     "now": {"A_skip": 283, "A_count": 792, "A_rebase": 134, "A_flush": 1852, "B_skip": 273, "B_sum": 507,
             "C_none": 13, "C_cand": 341, "C_nonzero": 625, "masked": 249},
