@@ -528,14 +528,15 @@ def test_shape_masks_are_built_once_and_usable_after_inference_mode():
 def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
     """Batch 1 without autograd on CPU (the split path): where the query blocks start on key-block boundaries, the
     kept tiles before the diagonal through one mask-free flash call and the diagonal tile through a second call
-    with an additive causal mask (``_attend_aligned``); otherwise mask-free flash over the fully visible tiles and an
-    explicit softmax for the rest (``_attend_split``)."""
+    with an additive causal mask (``_attend_aligned``); otherwise mask-free flash over the fully visible tiles and
+    masked flash over the partial ones (``_attend_split``)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     masked_calls = []
 
     class Spy:
         def __call__(self, *a, **kw):
-            masked_calls.append(kw.get("attn_mask") is not None)
+            mask = kw.get("attn_mask")
+            masked_calls.append(None if mask is None else mask.shape[-1])
             return flash(*a, **kw)
 
     q, k, v = _qkv(hq=6, hkv=2, sq=sq, skv=skv, d=16, seed=7)
@@ -547,7 +548,9 @@ def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
     ref, _ = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, 0, 32)
     assert bfla.plan_density(plan).mean() < 1
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert any(masked_calls) == ((skv - sq) % 32 == 0)  # the aligned path runs exactly when aligned
+    widths = {w for w in masked_calls if w is not None}
+    assert widths  # the partial tiles went through masked flash calls
+    assert (widths == {32}) == ((skv - sq) % 32 == 0)  # aligned: one diagonal tile per mask; else tiles that straddle
 
 
 @pytest.mark.parametrize("b,sq,skv,batch", [(1, 300, 300, 16), (2, 236, 300, 3), (1, 256, 256, 1)],

@@ -36,8 +36,8 @@ def _full_key_runs(ids: torch.Tensor, kb_h, vb_h, k_h, v_h, bs: int) -> list[tup
 def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scale, softcap, sliding_window, fv=0):
     """No-grad fast path for one query block of one KV head of one batch row: the kept key blocks entirely visible to
     every query of the block go through mask-free SDPA (with its LSE), the few blocks that need a mask (diagonal,
-    window edge, sequence end, left padding before key ``fv``) through an explicit softmax; the two are merged
-    with their log-sum-exps.
+    window edge, sequence end, left padding before key ``fv``) through flash attention with an additive mask (an
+    explicit softmax with softcap); the two are merged with their log-sum-exps.
 
     ``qq (rep, rows, D)``, ``ids_i (n,)`` kept ids ascending. Returns ``(rep, rows, D)``.
     """
@@ -67,14 +67,19 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
         vv = vb_h.index_select(0, part_ids).reshape(-1, d)
         k_pos = (part_ids[:, None] * bs + torch.arange(bs)).reshape(-1)
         allowed = _token_keep(q_pos, k_pos, sliding_window) & ((k_pos < skv) & (k_pos >= fv))[None, :]  # (rows, L)
-        ct = torch.promote_types(qq.dtype, torch.float32)
-        sc = torch.matmul(q2[0, 0].to(ct), kk.to(ct).T) * scale  # (rep*rows, L)
-        if softcap:
+        if softcap:  # explicit softmax over the softcapped scores
+            ct = torch.promote_types(qq.dtype, torch.float32)
+            sc = torch.matmul(q2[0, 0].to(ct), kk.to(ct).T) * scale  # (rep*rows, L)
             sc = softcap * torch.tanh(sc / softcap)
-        sc = sc.view(rep, rows, -1).masked_fill_(~allowed, float("-inf")).view(rep * rows, -1)
-        l2 = torch.logsumexp(sc, dim=-1)
-        p = torch.exp(sc - l2[:, None]).nan_to_num_(0.0)
-        parts.append((torch.matmul(p, vv.to(ct)), l2))
+            sc = sc.view(rep, rows, -1).masked_fill_(~allowed, float("-inf")).view(rep * rows, -1)
+            l2 = torch.logsumexp(sc, dim=-1)
+            p = torch.exp(sc - l2[:, None]).nan_to_num_(0.0)
+            parts.append((torch.matmul(p, vv.to(ct)), l2))
+        else:  # flash with an additive mask: its own exp (torch.exp takes a slow path on -inf on CPU)
+            mask = torch.zeros(allowed.shape, dtype=qq.dtype).masked_fill_(~allowed, float("-inf")).repeat(rep, 1)
+            o2, l2 = flash_cpu(q2, kk[None, None], vv[None, None], scale, mask)
+            blind = ~allowed.any(-1).repeat(rep)  # rows that see no key here: flash gives lse 0, not -inf
+            parts.append((o2[0, 0].float(), l2[0, 0].masked_fill(blind, float("-inf"))))
     if len(parts) == 1:
         o, lse = parts[0]
     else:
