@@ -526,10 +526,9 @@ def test_shape_masks_are_built_once_and_usable_after_inference_mode():
 
 @pytest.mark.parametrize("sq,skv", [(300, 300), (236, 300), (263, 300)], ids=["prefill", "aligned-offset", "offset"])
 def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
-    """Batch 1 without autograd on CPU (the split path): where the query blocks start on key-block boundaries, the
-    kept tiles before the diagonal through one mask-free flash call and the diagonal tile through a second call
-    with an additive causal mask (``_attend_aligned``); otherwise mask-free flash over the fully visible tiles and
-    masked flash over the partial ones (``_attend_split``)."""
+    """Batch 1 without autograd on CPU: mask-free flash over the fully visible tiles and masked flash over the
+    partial ones (``_attend_batch``); where the query blocks start on key-block boundaries the partial tile of a
+    block is its diagonal tile, else the two tiles its causal edge straddles."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     masked_calls = []
 
@@ -553,12 +552,19 @@ def test_inference_fast_path_equals_reference(sq, skv, monkeypatch):
     assert (widths == {32}) == ((skv - sq) % 32 == 0)  # aligned: one diagonal tile per mask; else tiles that straddle
 
 
-@pytest.mark.parametrize("b,sq,skv,batch", [(1, 300, 300, 16), (2, 236, 300, 3), (1, 256, 256, 1)],
-                         ids=["partial-last-block", "offset-batch2", "one-block-batches"])
-def test_batched_aligned_path_equals_the_per_block_path_bit_for_bit(b, sq, skv, batch, monkeypatch):
-    """The aligned inference path runs the full query blocks of a KV head that keep as many blocks as one batched
-    flash call (``_attend_aligned_batch``): bit for bit what one ``_attend_aligned`` call per query block gives,
-    in fewer flash calls."""
+@pytest.mark.parametrize(
+    "b,sq,skv,fv,window,batch",
+    [(1, 300, 300, None, None, 16), (2, 236, 300, None, None, 3), (1, 256, 256, None, None, 1),
+     (1, 263, 300, None, None, 4), (2, 300, 300, (0, 45), None, 16), (1, 300, 300, None, 70, 16),
+     (2, 250, 300, (20, 77), 90, 5)],
+    ids=["partial-last-block", "aligned-offset-batch2", "one-block-batches", "offset", "left-padding", "window",
+         "padding-window-offset"],
+)
+def test_batched_pass_equals_one_block_per_call_bit_for_bit(b, sq, skv, fv, window, batch, monkeypatch):
+    """The inference pass runs the query blocks of a KV head that share their tile pattern (as many mask-free
+    tiles, partial tiles of the same classes: causal diagonal, window edge, left padding) as one batched flash call
+    each for the full and the partial tiles (``_attend_batch``): bit for bit what one block per call gives
+    (``BATCH_BLOCKS = 1``), the reference within fp32 rounding, in fewer flash calls."""
     from hf_sparse_attn.methods.bfla import attend_cpu
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -569,32 +575,23 @@ def test_batched_aligned_path_equals_the_per_block_path_bit_for_bit(b, sq, skv, 
         return flash(*a, **kw)
 
     q, k, v = _qkv(b=b, hq=6, hkv=2, sq=sq, skv=skv, d=16, seed=11)
+    first_valid = None if fv is None else torch.tensor(fv)
     cfg = _cfg(block_size=32, keep_mass=0.5)
-    monkeypatch.setattr(attend_cpu, "BATCH_BLOCKS", batch)
+    outs, n_calls = {}, {}
     with torch.no_grad():
-        plan = bfla.make_plan(q, k, scale=0.25, config=cfg)
+        plan = bfla.make_plan(q, k, scale=0.25, sliding_window=window, config=cfg, first_valid=first_valid)
         monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy)
-        out = bfla.attend(q, k, v, plan, scale=0.25, config=cfg)
-        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", flash)
-        off, bs, rep = skv - sq, 32, 3
-        nk = -(-skv // bs)
-        kb, vb = (torch.nn.functional.pad(x, (0, 0, 0, nk * bs - skv)).unflatten(2, (nk, bs)) for x in (k, v))
-        mask = {n: attend_cpu._causal_tile_mask(rep, n, bs, q.dtype) for n in (bs, sq % bs or bs)}
-        expected = torch.empty_like(q)
-        for r in range(b):
-            for h in range(2):
-                for i in range(-(-sq // bs)):
-                    r0, r1 = i * bs, min(sq, (i + 1) * bs)
-                    n = int(plan.counts[r, h, i])
-                    o = attend_cpu._attend_aligned(q[r, h * rep : (h + 1) * rep, r0:r1], kb[r, h], vb[r, h], k[r, h],
-                                                   v[r, h], plan.ids[r, h, i, :n].long(), i + off // bs, 0.25,
-                                                   mask[r1 - r0])
-                    expected[r, h * rep : (h + 1) * rep, r0:r1] = o.view(rep, r1 - r0, -1)
+        for size in (batch, 1):
+            monkeypatch.setattr(attend_cpu, "BATCH_BLOCKS", size)
+            calls.clear()
+            outs[size] = bfla.attend(q, k, v, plan, scale=0.25, sliding_window=window, config=cfg)
+            n_calls[size], widest = len(calls), max(calls)
+            assert 1 < widest <= batch if size > 1 else widest == 1  # batch sizes of the flash calls
     assert bfla.plan_density(plan).max() < 1  # no dense head: every head took the sparse path
-    assert torch.equal(out, expected)
-    per_block_calls = sum(1 + (int(c) > 1) for c in plan.counts.flatten())
-    assert len(calls) < per_block_calls if batch > 1 else len(calls) == per_block_calls
-    assert 1 < max(calls) <= batch if batch > 1 else max(calls) == 1  # batch sizes of the flash calls
+    assert torch.equal(outs[batch], outs[1])
+    assert n_calls[batch] < n_calls[1] if batch > 1 else True
+    ref, _ = bfla.reference_sparse_fwd(q, k, v, plan.counts, plan.ids, 0.25, 0.0, window or 0, 32, first_valid)
+    torch.testing.assert_close(outs[batch], ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

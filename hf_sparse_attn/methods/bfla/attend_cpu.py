@@ -1,4 +1,5 @@
-"""CPU sparse attention: per query block, gather the kept K/V blocks, exact softmax over them (differentiable)."""
+"""CPU sparse attention: per query block (batched over blocks that share their tile pattern), gather the kept K/V
+blocks, exact softmax over them (differentiable)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from ..dense import dense_attention
 from .cpu_threads import flash_cpu, parallel_map
 
 MIN_RUN_BLOCKS = 4  # a run of at least this many consecutive kept blocks is attended as a view (no copy)
-BATCH_BLOCKS = 16  # full query blocks per batched flash call of the aligned path (:func:`_attend_aligned_batch`)
+BATCH_BLOCKS = 16  # query blocks per batched flash call of the inference pass (:func:`_attend_batch`)
+NO_EDGE = -(1 << 40)  # the ``rel`` of a partial tile that no causal or window edge crosses (only padding cuts it)
 
 
 def _full_key_runs(ids: torch.Tensor, kb_h, vb_h, k_h, v_h, bs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -56,13 +58,7 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
             parts.append((o1[0, 0].float(), l1[0, 0]))
     else:
         part_ids = ids_i
-    if part_ids.numel() == 1 and not softcap and sliding_window is None and int(part_ids[0]) * bs == q_first >= fv:
-        # the one partial tile is the diagonal tile aligned with the query block (prefill from position 0 of a
-        # block): top-left causal inside it, so flash attention's own causal mask is exact there
-        kk, vv = k_h[q_first : q_first + rows], v_h[q_first : q_first + rows]
-        o2, l2 = flash_cpu(qq[None], kk.expand(1, rep, rows, d), vv.expand(1, rep, rows, d), scale, causal=True)
-        parts.append((o2[0].reshape(rep * rows, d).float(), l2[0].reshape(rep * rows)))
-    elif part_ids.numel():
+    if part_ids.numel():
         kk = kb_h.index_select(0, part_ids).reshape(-1, d)
         vv = vb_h.index_select(0, part_ids).reshape(-1, d)
         k_pos = (part_ids[:, None] * bs + torch.arange(bs)).reshape(-1)
@@ -89,114 +85,117 @@ def _attend_split(qq, kb_h, vb_h, k_h, v_h, ids_i, bs, skv, q_first, q_pos, scal
     return o.reshape(rep, rows, d).to(qq.dtype)
 
 
-def _kept_keys(ids: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor, kb_h, vb_h, bs: int):
-    """K/V ``(n*bs, D)`` of the kept blocks ``ids`` (ascending): a view when they are consecutive, else a gather."""
-    n, first = ids.numel(), int(ids[0])
-    if int(ids[-1]) - first == n - 1:
-        return k_h[first * bs : (first + n) * bs], v_h[first * bs : (first + n) * bs]
-    return kb_h.index_select(0, ids).flatten(0, 1), vb_h.index_select(0, ids).flatten(0, 1)
+def _tile_classes(ids, counts, bs: int, off: int, fv, sliding_window):
+    """Sort every kept tile of ``ids (B,H,NQ,N)`` (``counts (B,H,NQ)`` valid slots) into the ones every query of
+    its query block sees (``full``, mask-free) and the partial ones, with the class that fixes a partial tile's
+    mask the same in every query block of a batch row: ``rel`` = key block − query block when the causal or window
+    edge crosses the tile (else ``NO_EDGE``), ``cut`` = its keys before the row's first valid key ``fv`` (left
+    padding). Returns ``(full, partial, rel, cut)``, each ``(B,H,NQ,N)``."""
+    nq, n = ids.shape[2], ids.shape[3]
+    slot = torch.arange(n) < counts[..., None].long()
+    blk = torch.arange(nq)[:, None]
+    k_first = ids * bs
+    q_first = blk * bs + off
+    seen = k_first + bs - 1 <= q_first  # before the causal edge of every query of the block
+    if sliding_window is not None:  # and inside the window of every query of a full block
+        seen &= k_first > q_first + bs - 1 - sliding_window
+    cut = torch.zeros_like(ids) if fv is None else (fv.view(-1, 1, 1, 1) - k_first).clamp(0, bs)
+    full = slot & seen & (cut == 0)
+    rel = torch.where(seen, NO_EDGE, ids - blk)
+    return full, slot & ~full, rel, cut
 
 
-def _attend_aligned(qq, kb_h, vb_h, k_h, v_h, ids_i, diag: int, scale: float, diag_mask) -> torch.Tensor:
-    """No-grad fast path for one query block whose first query is the first position of key block ``diag`` (a
-    prefill with a block-aligned cache, no window, padding or softcap): every kept block before ``diag`` is visible
-    to all its queries, so they go through one mask-free flash call (a view of K/V when they are consecutive); the
-    diagonal block, when kept, through a second call with the causal ``diag_mask (rep*rows, bs)`` (additive); the
-    two merged by their log-sum-exps. The KV group's query heads are packed as the rows of each call.
+def _class_mask(classes: tuple, rows: int, bs: int, off: int, sliding_window, rep: int, dtype):
+    """The additive mask ``(rep*rows, len(classes)*bs)`` of a query block's partial tiles given by their
+    ``(rel, cut)`` classes (:func:`_tile_classes`), in the same order, and its blind rows ``(rep*rows,)`` (that see
+    no key there). Query ``t`` of the block sits ``off + t`` after the block's first key position; key ``j`` of a
+    tile ``rel * bs + j``."""
+    t = torch.arange(rows)[:, None] + off
+    j = torch.arange(bs)
+    keep = []
+    for rel, cut in classes:
+        ok = (j >= cut).expand(rows, bs)
+        if rel != NO_EDGE:
+            kp = rel * bs + j
+            ok = ok & (kp <= t)
+            if sliding_window is not None:
+                ok = ok & (kp > t - sliding_window)
+        keep.append(ok)
+    keep = torch.cat(keep, dim=1)
+    mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).repeat(rep, 1)
+    return mask, ~keep.any(1).repeat(rep)
 
-    ``qq (rep, rows, D)``, ``ids_i (n,)`` kept ids ascending. Returns ``(rep * rows, D)`` in ``qq``'s dtype."""
-    rep, rows, d = qq.shape
-    bs = kb_h.shape[1]
-    q2 = qq.reshape(1, 1, rep * rows, d)
-    has_diag = int(ids_i[-1]) == diag
-    before = ids_i[:-1] if has_diag else ids_i
+
+def _attend_batch(qq, kb_h, vb_h, full_ids, part_ids, scale: float, mask, blind) -> torch.Tensor:
+    """No-grad fast path for ``G`` query blocks of one KV head that share their tile pattern: the ``nf`` tiles
+    every query sees through one batched mask-free flash call over their gathered K/V, the ``np`` partial tiles
+    (causal diagonal, window edge, left padding) through one batched call with their common additive ``mask``
+    (:func:`_class_mask`); the two merged by their log-sum-exps. Each block's arithmetic is what a call for that
+    block alone gives (equal bit for bit, whatever ``G``).
+
+    ``qq (G, 1, R, D)`` the blocks' queries (the KV group's heads packed as rows), ``kb_h``/``vb_h (NK, bs, D)``,
+    ``full_ids (G, nf)``, ``part_ids (G, np)``, ``blind (R,)`` rows the mask hides every key from. Returns
+    ``(G, R, D)`` in ``qq``'s dtype."""
+    g, _, rows, d = qq.shape
     parts = []
-    if before.numel():
-        kk, vv = _kept_keys(before, k_h, v_h, kb_h, vb_h, bs)
-        parts.append(flash_cpu(q2, kk[None, None], vv[None, None], scale))
-    if has_diag:
-        parts.append(flash_cpu(q2, kb_h[diag][None, None], vb_h[diag][None, None], scale, diag_mask))
-    if len(parts) == 1:
-        return parts[0][0].view(rep * rows, d)
-    (o1, l1), (o2, l2) = parts
-    lse = torch.logaddexp(l1, l2)
-    o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
-    return o.view(rep * rows, d).to(qq.dtype)
-
-
-def _attend_aligned_batch(q_h, kb_h, vb_h, ids_h, blocks, n_before: int, has_diag: bool, diag0: int, scale: float,
-                          diag_mask) -> torch.Tensor:
-    """:func:`_attend_aligned` for several full query blocks of one KV head at once: blocks that keep the same
-    number ``n_before`` of blocks before their diagonal (and all keep the diagonal, or none) go through one batched
-    flash call over their gathered K/V (plus one batched call for their diagonal tiles), the same arithmetic per
-    block as :func:`_attend_aligned` (equal bit for bit) with one call instead of one per block.
-
-    ``q_h (rep, full, bs, D)`` the KV group's queries as blocks, ``kb_h``/``vb_h (NK, bs, D)``, ``ids_h (NQ, n)``
-    kept ids ascending, ``blocks (G,)`` the query blocks, ``diag0`` the key block of query block 0. Returns
-    ``(G, rep, bs, D)`` in ``q_h``'s dtype."""
-    rep, _, bs, d = q_h.shape
-    g = blocks.numel()
-    qq = q_h.transpose(0, 1)[blocks].reshape(g, 1, rep * bs, d)  # (index_select on dim 1 would copy all of q_h)
-    parts = []
-    if n_before:
-        sel = ids_h.index_select(0, blocks)[:, :n_before].reshape(-1)
-        kk = kb_h.index_select(0, sel).view(g, 1, n_before * bs, d)
-        vv = vb_h.index_select(0, sel).view(g, 1, n_before * bs, d)
-        parts.append(flash_cpu(qq, kk, vv, scale))
-    if has_diag:
-        kk = kb_h.index_select(0, blocks + diag0).view(g, 1, bs, d)
-        vv = vb_h.index_select(0, blocks + diag0).view(g, 1, bs, d)
-        parts.append(flash_cpu(qq, kk, vv, scale, diag_mask))
+    for sel, m in ((full_ids, None), (part_ids, mask)):
+        if sel.shape[1]:
+            kk = kb_h.index_select(0, sel.reshape(-1)).view(g, 1, -1, d)
+            vv = vb_h.index_select(0, sel.reshape(-1)).view(g, 1, -1, d)
+            parts.append(flash_cpu(qq, kk, vv, scale, m))
+    if part_ids.shape[1] and bool(blind.any()):  # flash gives such rows lse 0: they add nothing
+        parts[-1] = (parts[-1][0], parts[-1][1].masked_fill(blind, float("-inf")))
     if len(parts) == 1:
         o = parts[0][0]
     else:
         (o1, l1), (o2, l2) = parts
         lse = torch.logaddexp(l1, l2)
         o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
-    return o.view(g, rep, bs, d).to(q_h.dtype)
+    return o.view(g, rows, d).to(qq.dtype)
 
 
-def _aligned_batches(counts, ids, heads, full: int, diag0: int, most: int) -> list[tuple]:
-    """Work items of the batched aligned path: the full query blocks of every ``(batch row, KV head)`` in ``heads``
-    grouped by (kept blocks before the diagonal, diagonal kept), at most ``most`` blocks an item, costliest first.
-    Items: ``(cost, n_before, has_diag, r, h, blocks)``."""
-    cnt = counts[:, :, :full].long()
-    last = ids[:, :, :full].gather(3, (cnt - 1).clamp_min(0)[..., None])[..., 0]
-    has = (cnt > 0) & (last == torch.arange(full) + diag0)
-    before = (cnt - has.long()).tolist()
-    has = has.tolist()
+def _batches(counts, ids, heads, sq: int, bs: int, off: int, fv, sliding_window, most: int):
+    """Work items of the batched pass: for every ``(batch row, KV head)`` in ``heads``, its query blocks without
+    padding queries grouped by tile pattern (how many full tiles, the classes of the partial ones in key order,
+    the block's rows), at most ``most`` blocks an item. The other query blocks (some queries before the row's first
+    valid key) as single blocks. Items: ``(cost, (full, partial, classes, rows, blocks) or None, r, h, i)``."""
+    full, partial, rel, cut = _tile_classes(ids, counts, bs, off, fv, sliding_window)
+    nq = counts.shape[2]
+    n_full = full.sum(-1).tolist()
+    cls: dict[tuple, list] = {}
+    for r, h, i, s in torch.nonzero(partial).tolist():
+        cls.setdefault((r, h, i), []).append((int(rel[r, h, i, s]), int(cut[r, h, i, s])))
+    cnt = counts.tolist()
+    first = [0] * counts.shape[0] if fv is None else fv.tolist()
     groups: dict[tuple, list[int]] = {}
+    items = []
     for r, h in heads:
-        for i in range(full):
-            groups.setdefault((before[r][h][i], has[r][h][i], r, h), []).append(i)
-    items = [((nb + 1) * len(blk[c : c + most]), nb, hd, r, h, blk[c : c + most])
-             for (nb, hd, r, h), blk in groups.items() for c in range(0, len(blk), most)]
-    items.sort(key=lambda it: -it[0])
+        for i in range(nq):
+            if cnt[r][h][i] and i * bs + off < first[r]:  # padding queries: the per-block split path
+                items.append((cnt[r][h][i], None, r, h, i))
+                continue
+            rows = min(bs, sq - i * bs)
+            key = (r, h, n_full[r][h][i], tuple(cls.get((r, h, i), ())), rows)
+            groups.setdefault(key, []).append(i)
+    for (r, h, nf, classes, rows), blk in groups.items():
+        for c in range(0, len(blk), most):
+            chunk = blk[c : c + most]
+            items.append(((nf + len(classes)) * len(chunk), (full, partial, classes, rows, chunk), r, h, None))
     return items
-
-
-def _causal_tile_mask(rep: int, rows: int, bs: int, dtype) -> torch.Tensor:
-    """``(rep*rows, bs)`` additive mask of a diagonal tile: query ``t`` of each head sees keys ``<= t``."""
-    keep = torch.ones(rows, bs, dtype=torch.bool).tril()
-    return torch.zeros(rows, bs, dtype=dtype).masked_fill_(~keep, float("-inf")).repeat(rep, 1)
 
 
 def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window):
     """The no-grad CPU path, spread over ``torch.get_num_threads()`` pool threads with single-threaded ops
-    (:mod:`.cpu_threads`), each item writing its rows of the output. A prefill from a block boundary without
-    window, padding or softcap: the full query blocks of a KV head in batches of up to ``BATCH_BLOCKS`` that keep
-    as many blocks (:func:`_attend_aligned_batch`), a partial last block through :func:`_attend_aligned`; otherwise
-    every (batch row, KV head, query block) through :func:`_attend_split`. A dense head (every valid tile kept in
-    every batch row) as one exact SDPA call on the caller's threads. ``fv (B,)`` left padding or None. Returns
-    ``(B,Hq,Sq,D)``."""
+    (:mod:`.cpu_threads`), each item writing its rows of the output. Without softcap, the query blocks of a KV
+    head that share their tile pattern in batches of up to ``BATCH_BLOCKS`` (:func:`_attend_batch`); blocks with
+    padding queries, and every block under a softcap, one by one through :func:`_attend_split`. A dense head (every
+    valid tile kept in every batch row) as one exact SDPA call on the caller's threads. ``fv (B,)`` left padding or
+    None. Returns ``(B,Hq,Sq,D)``."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep, bs, nq = hq // hkv, kb.shape[3], counts.shape[2]
     out = torch.empty_like(q)
     pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
-    cnt = counts.tolist()
-    aligned = fv is None and softcap is None and sliding_window is None and off % bs == 0
-    full = sq // bs if aligned else 0  # query blocks that run batched
     sparse_heads = []
     for h in range(hkv):
         heads = slice(h * rep, (h + 1) * rep)
@@ -205,44 +204,50 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
                                             causal=True, softcap=softcap, sliding_window=sliding_window)
         else:
             sparse_heads += [(r, h) for r in range(b)]
-    items = [(cnt[r][h][i], None, r, h, i) for r, h in sparse_heads for i in range(full, nq)]
-    if full:
-        items += [(cost, (nb, hd, blocks), r, h, None)
-                  for cost, nb, hd, r, h, blocks in _aligned_batches(counts, ids, sparse_heads, full, off // bs,
-                                                                     BATCH_BLOCKS)]
+    if softcap:  # the explicit softmax of the split path, block by block
+        cnt = counts.tolist()
+        items = [(cnt[r][h][i], None, r, h, i) for r, h in sparse_heads for i in range(nq)]
+    else:
+        items = _batches(counts, ids, sparse_heads, sq, bs, off, fv, sliding_window, BATCH_BLOCKS)
     items.sort(key=lambda it: -it[0])  # costliest first: the pool hands items out one by one
-    if aligned:  # the causal mask of a diagonal tile, for a full and for the partial last query block
-        tile_mask = {rows: _causal_tile_mask(rep, rows, bs, q.dtype) for rows in {bs, sq - (sq - 1) // bs * bs}}
+    masks = {}  # the partial tiles' mask of each pattern, built once, before the pool starts
+    for _, batch, _, _, _ in items:
+        if batch is not None and batch[2] and batch[2:4] not in masks:
+            masks[batch[2:4]] = _class_mask(batch[2], batch[3], bs, off, sliding_window, rep, q.dtype)
+    full_blocks = sq // bs
 
     def run(item):
         n, batch, r, h, i = item
         heads = slice(h * rep, (h + 1) * rep)
         if batch is not None:
-            nb, hd, block_list = batch
+            full, partial, classes, rows, block_list = batch
             blocks = torch.tensor(block_list)
-            dst = out[r, heads, : full * bs].unflatten(1, (full, bs)).transpose(0, 1)  # (full, rep, bs, D)
-            if not (nb or hd):  # no kept block: no key, zeros (as below)
-                dst[blocks] = 0.0
+            if not n:  # no kept tile: no key, zeros
+                for blk in block_list:
+                    out[r, heads, blk * bs : blk * bs + rows].zero_()
                 return
-            o = _attend_aligned_batch(q[r, heads, : full * bs].unflatten(1, (full, bs)), kb[r, h], vb[r, h],
-                                      ids[r, h], blocks, nb, hd, off // bs, scale, tile_mask[bs])
+            if rows == bs:  # (G, rep, bs, D) gathered by advanced indexing (index_select on dim 1 copies q_h whole)
+                qq = q[r, heads, : full_blocks * bs].unflatten(1, (full_blocks, bs)).transpose(0, 1)[blocks]
+            else:  # the partial last block
+                qq = q[r, heads, block_list[0] * bs : sq][None]
+            sel = ids[r, h].index_select(0, blocks)
+            mask, blind = masks.get(batch[2:4], (None, None))
+            o = _attend_batch(qq.reshape(len(block_list), 1, rep * rows, d), kb[r, h], vb[r, h],
+                              sel[full[r, h].index_select(0, blocks)].view(len(block_list), -1),
+                              sel[partial[r, h].index_select(0, blocks)].view(len(block_list), -1), scale, mask,
+                              blind).view(-1, rep, rows, d)
             for j, blk in enumerate(block_list):  # block by block: index_put_ into this strided view is elementwise
-                dst[blk].copy_(o[j])
+                out[r, heads, blk * bs : blk * bs + rows].copy_(o[j])
             return
         r0, r1 = i * bs, min(sq, (i + 1) * bs)
         dst = out[r, heads, r0:r1]
         if n == 0:  # only padding queries (left padding): no key for any row
             dst.zero_()
             return
-        qq, sel = q[r, heads, r0:r1], ids[r, h, i, :n]
-        if aligned:
-            o = _attend_aligned(qq, kb[r, h], vb[r, h], k[r, h], v[r, h], sel, i + off // bs, scale, tile_mask[r1 - r0])
-            dst.copy_(o.view(rep, r1 - r0, d))
-            return
         q_pos = torch.arange(r0, r1) + off
         first = 0 if fv is None else int(fv[r])
-        dst.copy_(_attend_split(qq, kb[r, h], vb[r, h], k[r, h], v[r, h], sel, bs, skv, r0 + off, q_pos, scale,
-                                softcap, sliding_window, first))
+        dst.copy_(_attend_split(q[r, heads, r0:r1], kb[r, h], vb[r, h], k[r, h], v[r, h], ids[r, h, i, :n], bs, skv,
+                                r0 + off, q_pos, scale, softcap, sliding_window, first))
 
     parallel_map(run, items, torch.get_num_threads())
     return out
@@ -261,9 +266,9 @@ def sparse_attention_cpu(
     """Exact attention restricted to the plan's kept tiles (any device; reads the lists on the host).
 
     Differentiable w.r.t. q, k, v (plain autograd through gather + SDPA / explicit softmax). Without autograd
-    (inference) on CPU, a faster path runs (:func:`_attend_aligned` or :func:`_attend_split` per batch row, KV head
-    and query block, spread over the threads of :mod:`.cpu_threads`: exact, the same result whatever the thread
-    count). Left padding
+    (inference) on CPU, a faster path runs (:func:`_attend_batch` over the query blocks of a KV head that share
+    their tile pattern, :func:`_attend_split` per block under a softcap or with padding queries; spread over the
+    threads of :mod:`.cpu_threads`: exact, the same result whatever the thread count). Left padding
     (``plan.first_valid``): keys ``j < first_valid[b]`` are masked. Rows that see no key (padding queries, or
     ``local=-1``) give zeros.
     """
