@@ -220,10 +220,12 @@ class _PeakRSS:
         self._t.join()
 
 
-def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int, baseline: str = "unpatched") -> dict:
-    """Time to first token and peak memory growth of one prefill, per method. The ``dense`` row is the model
-    unpatched (``baseline="unpatched"``) or patched with method ``dense`` (``"patched"``: on Gemma 3 its sliding
-    layers then run over their band, so the row isolates what the method adds on the full-attention layers)."""
+def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int, baseline: str = "unpatched",
+                  attention_mask: torch.Tensor | None = None) -> dict:
+    """Time to first token and peak memory growth of one prefill of ``ids (B, L)`` (``attention_mask``: a
+    left-padded batch), per method. The ``dense`` row is the model unpatched (``baseline="unpatched"``) or patched
+    with method ``dense`` (``"patched"``: on Gemma 3 its sliding layers then run over their band, so the row
+    isolates what the method adds on the full-attention layers)."""
     from .api import patch_model
 
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -240,7 +242,7 @@ def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int, basel
             base = _PeakRSS._rss()
             with torch.no_grad(), _PeakRSS() as peak:
                 t0 = time.perf_counter()
-                model(input_ids=ids, logits_to_keep=1)
+                model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=1)
                 dt = time.perf_counter() - t0
             if rep:
                 times[m].append(dt)
@@ -277,6 +279,29 @@ def prose_ids(tokenizer, length: int) -> torch.Tensor:
 
 def random_ids(vocab_size: int, length: int) -> torch.Tensor:
     return torch.randint(100, vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+def padded_batch(tokenizer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of two prose prompts, as ``generate`` pads a batch: ``(ids (2, length), attention_mask
+    (2, length))``; row 0 the :func:`prose_ids` of ``length`` tokens, row 1 their first ``3 * length // 4`` tokens
+    after ``length // 4`` padding tokens."""
+    full = prose_ids(tokenizer, length)
+    pad = length // 4
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    short = torch.cat([torch.full((1, pad), pad_id, dtype=full.dtype), full[:, : length - pad]], dim=1)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :pad] = 0
+    return torch.cat([full, short]), mask
+
+
+PROMPTS = ("prose", "random", "padded")  # the prefill prompts of ``--prompts``
+
+
+def prompt_batch(prompt: str, tokenizer, vocab_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(ids, attention_mask or None)`` of one of the :data:`PROMPTS`."""
+    if prompt == "padded":
+        return padded_batch(tokenizer, length)
+    return (prose_ids(tokenizer, length) if prompt == "prose" else random_ids(vocab_size, length)), None
 
 
 class BusyCores:
@@ -367,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated peers: sdpa-math, entmax-pypi, flex (compiles on first use; slow on CPU)",
     )
     p.add_argument("--prompts", default="prose,random",
-                   help="prefill prompts: prose (standard-library documentation text), random (random token ids)")
+                   help="prefill prompts: prose (standard-library documentation text), random (random token ids), "
+                   "padded (a batch of two prose prompts, one left-padded by a quarter of the length)")
     p.add_argument("--busy", type=int, nargs="?", const=os.cpu_count(), default=0,
                    help="run N competing CPU-saturating processes during the whole measurement (default N: the "
                    "number of cores)")
@@ -384,9 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; registered: {list_methods()}")
     prompts = [x for x in args.prompts.split(",") if x]
-    bad = [x for x in prompts if x not in ("prose", "random")]
+    bad = [x for x in prompts if x not in PROMPTS]
     if bad:
-        raise ValueError(f"--prompts {bad} is not allowed; allowed values: ['prose', 'random']")
+        raise ValueError(f"--prompts {bad} is not allowed; allowed values: {list(PROMPTS)}")
     model, tok = load(args.model)
     model.eval()
     layers = [int(x) for x in args.layers.split(",")]
@@ -416,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                     r["bfla_overhead"] = bfla_overhead(caps)
             if not args.no_prefill:
                 for prompt in prompts:
-                    ids = prose_ids(tok, length) if prompt == "prose" else random_ids(model.config.vocab_size, length)
-                    r[f"prefill_{prompt}"] = bench_prefill(model, ids, methods, max(1, args.reps - 1), args.baseline)
+                    ids, mask = prompt_batch(prompt, tok, model.config.vocab_size, length)
+                    r[f"prefill_{prompt}"] = bench_prefill(model, ids, methods, max(1, args.reps - 1), args.baseline,
+                                                           mask)
             res["lengths"][str(length)] = r
             print(to_markdown({**res, "lengths": {str(length): r}}), flush=True)
     res["load_after"] = _load()

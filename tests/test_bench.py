@@ -4,6 +4,7 @@ report, and ``--busy``'s competing processes (started for the whole run, stopped
 import json
 
 import pytest
+import torch
 
 from hf_sparse_attn import bench
 
@@ -26,12 +27,12 @@ def test_busy_cores_run_during_the_block_and_stop_after():
 
 
 def test_bench_end_to_end_small(tmp_path):
-    """SmolLM2 at 256 tokens, one thread, one busy process: op + both prefill prompts, report and JSON."""
+    """SmolLM2 at 256 tokens, one thread, one busy process: op + the three prefill prompts, report and JSON."""
     out = tmp_path / "b"
     bench.main([
         "--model", "smollm2", "--lengths", "256", "--layers", "0", "--reps", "1", "--no-backward", "--peers", "",
         "--methods", "dense,bfla:min_seq_len=0;block_size=64;dense_density=0.0", "--threads", "1", "--busy", "1",
-        "--baseline", "patched",
+        "--baseline", "patched", "--prompts", "prose,random,padded",
         "--out", str(out),
     ])
     res = json.loads((out / "bench.json").read_text())
@@ -39,7 +40,7 @@ def test_bench_end_to_end_small(tmp_path):
     assert isinstance(res["load_before"], float) and isinstance(res["load_after"], float)
     r = res["lengths"]["256"]
     bfla_spec = "bfla:min_seq_len=0;block_size=64;dense_density=0.0"
-    for part in ("op_forward", "prefill_prose", "prefill_random"):
+    for part in ("op_forward", "prefill_prose", "prefill_random", "prefill_padded"):
         assert set(r[part]) == {"dense", bfla_spec}
         assert r[part]["dense"]["speedup_vs_dense"] == 1.0 and r[part][bfla_spec]["median_s"] > 0
     # the options reached patch_model: a plan on every layer (min_seq_len=0), then the dense path (dense_density=0)
@@ -56,3 +57,17 @@ def test_prose_ids_have_the_length_and_name_the_limit():
     assert ids.shape == (1, 8192)
     with pytest.raises(ValueError, match=r"length=10000000 is out of range; the prose haystacks hold \d+ tokens"):
         bench.prose_ids(tok, 10_000_000)
+
+
+def test_padded_batch_is_left_padded_prose():
+    from hf_sparse_attn.models import load
+
+    _, tok = load("smollm2")
+    ids, mask = bench.padded_batch(tok, 400)
+    full = bench.prose_ids(tok, 400)
+    assert ids.shape == mask.shape == (2, 400)
+    assert torch.equal(ids[0], full[0]) and torch.equal(ids[1, 100:], full[0, :300])
+    assert mask[0].all() and not mask[1, :100].any() and mask[1, 100:].all()
+    allowed = r"allowed values: \['prose', 'random', 'padded'\]"
+    with pytest.raises(ValueError, match=r"--prompts \['short'\] is not allowed; " + allowed):
+        bench.main(["--prompts", "prose,short"])

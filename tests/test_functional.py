@@ -5,6 +5,7 @@ import torch
 
 from hf_sparse_attn.functional import sparse_attention
 from hf_sparse_attn.masks import LeftPadding, causal_bool_mask, to_bool_mask
+from hf_sparse_attn.methods.dense import dense_attention
 
 
 def _reference(q, k, v, scale, mask=None, softcap=None):
@@ -50,6 +51,24 @@ def test_fully_masked_rows_are_finite_with_softcap_and_grad():
     assert torch.isfinite(out).all()
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_left_padded_prefill_per_row_equals_the_masked_reference(hq, hkv):
+    """A left-padded causal prefill (no window, no softcap) runs one causal SDPA call per batch row over its valid
+    suffix: the explicit masked reference within fp32 rounding, zeros (and zero gradients) for padding queries,
+    a row that is all padding included."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, hq, 11, 8, generator=g, requires_grad=True)
+    k = torch.randn(3, hkv, 11, 8, generator=g, requires_grad=True)
+    v = torch.randn(3, hkv, 11, 8, generator=g, requires_grad=True)
+    lp = LeftPadding(torch.tensor([0, 4, 11]), 11, 11)
+    out = dense_attention(q, k, v, lp, scale=0.3)
+    mask = to_bool_mask(lp, 11, 11, causal=True, sliding_window=None, device="cpu")
+    torch.testing.assert_close(out, _reference(q, k, v, 0.3, mask), atol=1e-5, rtol=1e-5)
+    assert (out[1, :, :4] == 0).all() and (out[2] == 0).all()
+    out.square().sum().backward()
+    assert (q.grad[1, :, :4] == 0).all() and (k.grad[1, :, :4] == 0).all() and (v.grad[2] == 0).all()
 
 
 def test_gradcheck_dense_softcap_float64():
