@@ -617,6 +617,22 @@ def test_fused_cpu_estimate_equals_reference(b, hq, hkv, sq, skv, d, bs, r):
                                atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sq,skv,fv", [(1000, 1000, (0, 45)), (700, 900, (0, 333)), (513, 513, (40, 513)),
+                                       (200, 333, (150, 0))], ids=["aligned", "offset", "all-padding-row", "deep"])
+def test_fused_cpu_estimate_with_left_padding_equals_reference(sq, skv, fv):
+    """Left padding in the fused CPU estimate: an additive key mask per batch row on the spans it reaches, blind
+    rows (padding queries, spans of padding only) left out: the explicit reference within fp32 rounding, with any
+    number of workers, a row that is all padding and padding past the first query included."""
+    from hf_sparse_attn.methods.bfla.estimate import _estimate_rows_fused
+
+    q, k, _ = _qkv(b=2, hq=4, hkv=2, sq=sq, skv=skv, d=16, seed=4)
+    first_valid = torch.tensor(fv)
+    ref = bfla._estimate_rows(q * 2, k * 2, 0.25, None, 32, 4, None, first_valid)
+    for workers in (1, 2):
+        got = _estimate_rows_fused(q * 2, k * 2, 0.25, 32, 4, workers, first_valid=first_valid)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------- per-query-head lists
 
 

@@ -115,7 +115,7 @@ def _key_spans(p_end: int, last: int, bs: int, width: int) -> list[tuple[int, in
     return spans
 
 
-def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
+def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8, first_valid=None):
     """The CPU form of :func:`_estimate_rows` (no softcap, window or padding; same values within fp32 rounding).
 
     A sampled row's block masses are its softmax times the key-block indicator ``E (keys, blocks)``: attention with
@@ -123,7 +123,9 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
     chunk of ``step`` query blocks (the group's query heads packed as the rows of one call): the keys before the
     chunk, which every sampled row sees whole, in segments of ``D`` key blocks (``V`` must be ``D`` wide); the
     chunk's own keys with an additive causal mask (the same for every full chunk); the parts merged by their
-    log-sum-exps. Chunks run on ``workers`` pool threads (:mod:`hf_sparse_attn.cpu_threads`)."""
+    log-sum-exps. Chunks run on ``workers`` pool threads (:mod:`hf_sparse_attn.cpu_threads`). Left padding
+    (``first_valid (B,)``): an additive key mask per batch row on the spans it reaches; sampled rows that see no
+    key (padding queries) count for nothing, as in :func:`_estimate_rows`."""
     from .cpu_threads import flash_cpu, parallel_map
 
     b, hq, sq, d, hkv, skv, rep, nq, nk, off = _geometry(q, k, bs)
@@ -132,6 +134,10 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
     ind = _block_indicator(d, bs, d, q.device)
     out = torch.empty(b, hkv, rep, nq, nk, dtype=torch.float32, device=q.device)
     masks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    fv = None if first_valid is None else first_valid.to(q.device).long()
+    if fv is not None:  # (B,1,1,Skv) additive: -inf on each row's padding keys
+        pad = torch.zeros(b, 1, 1, skv, device=q.device)
+        pad.masked_fill_(torch.arange(skv, device=q.device) < fv.view(-1, 1, 1, 1), float("-inf"))
 
     def local_mask(rel: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Additive mask (rows, keys): -inf where the key is after the row; and the rows that see no key (the
@@ -155,16 +161,26 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8):
         parts = []
         for s0, s1 in _key_spans(p_end, last, bs, d):
             mask, blind = local_mask(rr + off - s0, s1 - s0) if s0 >= p_end else (None, None)
+            padded = fv is not None and bool((fv > s0).any())
+            if padded:  # the rows' padding keys too; a row is blind where no key is both visible and valid
+                mask = pad[..., s0:s1] if mask is None else mask + pad[..., s0:s1]
+                seen = torch.minimum(torch.full_like(rr, s1 - 1), rr + off).repeat(rep)
+                blind = (torch.clamp(fv, min=s0)[:, None] > seen[None, :]).view(b, 1, -1)
             e = ind[s0 % bs : s0 % bs + s1 - s0]  # key s0 + t -> column (s0 % bs + t) // bs
             o, lse = flash_cpu(qs, kh[:, :, s0:s1], e.expand(b, 1, s1 - s0, d), scale, mask)
-            if blind is not None and s0 > p_end:  # only spans after the chunk's first key can be blind to a row
+            if blind is not None and (s0 > p_end or padded):  # only these spans can be blind to a row
                 lse = lse.masked_fill(blind, float("-inf"))
             parts.append((s0 // bs, o[..., : _cdiv(s1, bs) - s0 // bs], lse))
         total = torch.logsumexp(torch.stack([lse for _, _, lse in parts]), dim=0)[..., None]
         acc = torch.zeros(b, 1, rep * n * r, nk, dtype=torch.float32, device=q.device)
         for j, o, lse in parts:
-            acc[..., j : j + o.shape[-1]] += o * torch.exp(lse[..., None] - total)
-        out[:, h, :, i0 : i0 + n] = acc.view(b, rep, n, r, nk).mean(3)
+            acc[..., j : j + o.shape[-1]] += (o * torch.exp(lse[..., None] - total)).nan_to_num_(0.0)
+        acc = acc.view(b, rep, n, r, nk)
+        if fv is None:
+            out[:, h, :, i0 : i0 + n] = acc.mean(3)
+        else:  # the mean over the sampled rows that see a key
+            live = torch.isfinite(total).view(b, rep, n, r, 1).sum(3)
+            out[:, h, :, i0 : i0 + n] = acc.sum(3) / live.clamp_min(1)
 
     parallel_map(chunk, [(h, i0) for i0 in range(0, nq, step) for h in range(hkv)][::-1], workers)
     return out.view(b, hq, nq, nk)
@@ -238,8 +254,8 @@ def _estimate_antidiag(q, k, scale, softcap, bs, stride, sliding_window, first_v
 
 
 def fused_rows_ok(q, softcap, sliding_window, first_valid) -> bool:
-    """Whether :func:`_estimate_rows_fused` serves (CPU, no softcap / window / padding)."""
-    return q.device.type == "cpu" and not softcap and sliding_window is None and first_valid is None
+    """Whether :func:`_estimate_rows_fused` serves (CPU, no softcap or window; left padding or none)."""
+    return q.device.type == "cpu" and not softcap and sliding_window is None
 
 
 def estimate_block_mass(
@@ -265,7 +281,8 @@ def estimate_block_mass(
                 rows_per_block=config.rows_per_block, first_valid=first_valid,
             )
         elif config.estimator == "rows" and fused_rows_ok(q, softcap, sliding_window, first_valid):
-            m = _estimate_rows_fused(q, k, scale, bs, min(config.rows_per_block, bs), torch.get_num_threads())
+            m = _estimate_rows_fused(q, k, scale, bs, min(config.rows_per_block, bs), torch.get_num_threads(),
+                                     first_valid=first_valid)
         elif config.estimator == "rows":
             m = _estimate_rows(q, k, scale, softcap, bs, min(config.rows_per_block, bs), sliding_window, first_valid)
         elif config.estimator == "pooled":
