@@ -116,7 +116,7 @@ def _key_spans(p_end: int, last: int, bs: int, width: int) -> list[tuple[int, in
 
 
 def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8, first_valid=None):
-    """The CPU form of :func:`_estimate_rows` (no softcap, window or padding; same values within fp32 rounding).
+    """The CPU form of :func:`_estimate_rows` (no softcap or window; same values within fp32 rounding).
 
     A sampled row's block masses are its softmax times the key-block indicator ``E (keys, blocks)``: attention with
     ``V = E``, which the fused CPU flash kernel computes in one pass (no score matrix in memory). Per KV group and
