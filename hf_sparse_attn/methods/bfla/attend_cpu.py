@@ -158,7 +158,8 @@ def _batches(counts, ids, heads, sq: int, bs: int, off: int, fv, sliding_window,
     """Work items of the batched pass: for every ``(batch row, KV head)`` in ``heads``, its query blocks without
     padding queries grouped by tile pattern (how many full tiles, the classes of the partial ones in key order,
     the block's rows), at most ``most`` blocks an item. The other query blocks (some queries before the row's first
-    valid key) as single blocks. Items: ``(cost, (full, partial, classes, rows, blocks) or None, r, h, i)``."""
+    valid key) as single blocks. Returns ``(items, full, partial)``: items ``(cost, (classes, rows, blocks) or None,
+    r, h, i)``, and :func:`_tile_classes`' slot masks the batched items select their tiles with."""
     full, partial, rel, cut = _tile_classes(ids, counts, bs, off, fv, sliding_window)
     nq = counts.shape[2]
     n_full = full.sum(-1).tolist()
@@ -180,8 +181,8 @@ def _batches(counts, ids, heads, sq: int, bs: int, off: int, fv, sliding_window,
     for (r, h, nf, classes, rows), blk in groups.items():
         for c in range(0, len(blk), most):
             chunk = blk[c : c + most]
-            items.append(((nf + len(classes)) * len(chunk), (full, partial, classes, rows, chunk), r, h, None))
-    return items
+            items.append(((nf + len(classes)) * len(chunk), (classes, rows, chunk), r, h, None))
+    return items, full, partial
 
 
 def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window):
@@ -206,21 +207,21 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
             sparse_heads += [(r, h) for r in range(b)]
     if softcap:  # the explicit softmax of the split path, block by block
         cnt = counts.tolist()
-        items = [(cnt[r][h][i], None, r, h, i) for r, h in sparse_heads for i in range(nq)]
+        items, full, partial = [(cnt[r][h][i], None, r, h, i) for r, h in sparse_heads for i in range(nq)], None, None
     else:
-        items = _batches(counts, ids, sparse_heads, sq, bs, off, fv, sliding_window, BATCH_BLOCKS)
+        items, full, partial = _batches(counts, ids, sparse_heads, sq, bs, off, fv, sliding_window, BATCH_BLOCKS)
     items.sort(key=lambda it: -it[0])  # costliest first: the pool hands items out one by one
     masks = {}  # the partial tiles' mask of each pattern, built once, before the pool starts
     for _, batch, _, _, _ in items:
-        if batch is not None and batch[2] and batch[2:4] not in masks:
-            masks[batch[2:4]] = _class_mask(batch[2], batch[3], bs, off, sliding_window, rep, q.dtype)
+        if batch is not None and batch[0] and batch[:2] not in masks:
+            masks[batch[:2]] = _class_mask(*batch[:2], bs, off, sliding_window, rep, q.dtype)
     full_blocks = sq // bs
 
     def run(item):
         n, batch, r, h, i = item
         heads = slice(h * rep, (h + 1) * rep)
         if batch is not None:
-            full, partial, classes, rows, block_list = batch
+            _, rows, block_list = batch
             blocks = torch.tensor(block_list)
             if not n:  # no kept tile: no key, zeros
                 for blk in block_list:
@@ -231,7 +232,7 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
             else:  # the partial last block
                 qq = q[r, heads, block_list[0] * bs : sq][None]
             sel = ids[r, h].index_select(0, blocks)
-            mask, blind = masks.get(batch[2:4], (None, None))
+            mask, blind = masks.get(batch[:2], (None, None))
             o = _attend_batch(qq.reshape(len(block_list), 1, rep * rows, d), kb[r, h], vb[r, h],
                               sel[full[r, h].index_select(0, blocks)].view(len(block_list), -1),
                               sel[partial[r, h].index_select(0, blocks)].view(len(block_list), -1), scale, mask,

@@ -164,7 +164,7 @@ def _estimate_rows_fused(q, k, scale, bs, r, workers: int = 1, step: int = 8, fi
             padded = fv is not None and bool((fv > s0).any())
             if padded:  # the rows' padding keys too; a row is blind where no key is both visible and valid
                 mask = pad[..., s0:s1] if mask is None else mask + pad[..., s0:s1]
-                seen = torch.minimum(torch.full_like(rr, s1 - 1), rr + off).repeat(rep)
+                seen = (rr + off).clamp(max=s1 - 1).repeat(rep)  # each row's last visible key here
                 blind = (torch.clamp(fv, min=s0)[:, None] > seen[None, :]).view(b, 1, -1)
             e = ind[s0 % bs : s0 % bs + s1 - s0]  # key s0 + t -> column (s0 % bs + t) // bs
             o, lse = flash_cpu(qs, kh[:, :, s0:s1], e.expand(b, 1, s1 - s0, d), scale, mask)
