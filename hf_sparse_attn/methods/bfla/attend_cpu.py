@@ -148,9 +148,9 @@ def _attend_batch(qq, kb_h, vb_h, full_ids, part_ids, scale: float, mask, blind)
     if len(parts) == 1:
         o = parts[0][0]
     else:
-        (o1, l1), (o2, l2) = parts
-        lse = torch.logaddexp(l1, l2)
-        o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+        (o1, l1), (o2, l2) = parts  # o = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2), l1 finite (full tiles: every key seen)
+        w2 = torch.sigmoid(l2 - l1)[..., None]  # the partial tiles' share: 0 on a blind row (l2 = -inf)
+        o = torch.lerp(o1, o2, w2) if o1.dtype == w2.dtype else torch.lerp(o1.float(), o2.float(), w2)
     return o.view(g, rows, d).to(qq.dtype)
 
 
