@@ -17,6 +17,7 @@ from .base import TRITON_HEAD_DIMS, Method, MethodConfig, log_once, triton_avail
 
 # Query rows per chunk of the explicit-score path, bounded so a chunk's scores stay ~256 MB in fp32.
 _SCORE_BUDGET = 64 * 1024 * 1024
+_BAND_CHUNK = 256  # query rows per chunk of the explicit path under a causal mask (see _explicit)
 
 
 @dataclass
@@ -49,31 +50,134 @@ def _left_padded_causal(q, k, v, first_valid, scale, gqa):
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def _chunk_keys(start: int, end: int, sq: int, skv: int, sliding_window: int | None) -> tuple[int, int]:
+    """The key range ``[lo, hi)`` that causal (bottom-right) attention with an optional window lets the queries
+    ``[start, end)`` see: the keys up to the last query's position, from the first query's window start."""
+    off = skv - sq
+    lo = 0 if sliding_window is None else max(0, start + off - sliding_window + 1)
+    return min(lo, skv), max(min(skv, end + off), 0)
+
+
+def _chunk_mask(start, end, lo, hi, sq, skv, sliding_window, mask, device) -> torch.Tensor:
+    """Bool ``(B|1, 1, end - start, hi - lo)``: which of the keys ``[lo, hi)`` the queries ``[start, end)`` see under
+    causal (bottom-right) attention, the window, and a :class:`LeftPadding` ``mask`` (or None)."""
+    q_pos = torch.arange(start, end, device=device)[:, None] + (skv - sq)
+    k_pos = torch.arange(lo, hi, device=device)[None, :]
+    keep = k_pos <= q_pos
+    if sliding_window is not None:
+        keep &= k_pos > q_pos - sliding_window
+    if isinstance(mask, LeftPadding):
+        return keep & (k_pos >= mask.first_valid.to(device).view(-1, 1, 1, 1))
+    return keep[None, None]
+
+
+def _edge_columns(start, end, lo, hi, sq, skv, sliding_window, mask) -> list[tuple[int, int]]:
+    """The column ranges (relative to ``lo``) of a banded chunk's scores where :func:`_chunk_mask` has a False: the
+    causal edge (keys past the chunk's first query), the window's left edge (keys before the last query's window),
+    and, under :class:`LeftPadding`, everything. The other columns every row of the chunk sees."""
+    keys = hi - lo
+    if isinstance(mask, LeftPadding):
+        return [(0, keys)]
+    off = skv - sq
+    causal_edge = min(keys, max(0, start + off + 1 - lo))
+    window_edge = 0 if sliding_window is None else min(keys, max(0, end + off - sliding_window - lo))
+    if window_edge >= causal_edge:
+        return [(0, keys)]
+    return [r for r in ((0, window_edge), (causal_edge, keys)) if r[1] > r[0]]
+
+
+# exp(z) of logits bounded by |z| <= softcap stays a normal fp32 number when shifted by max(0, softcap - 40), up to
+# this softcap (e^-87 is the smallest normal): the softmax then needs no row-max pass.
+_MAX_FREE_SOFTCAP = 63.0
+
+
 def _explicit(q, k, v, mask, scale, causal, softcap, sliding_window):
-    """Scores in fp32 (fp64 stays fp64), softcap, mask, softmax; grouped over the GQA dimension."""
+    """Scores in fp32 (fp64 stays fp64), softcap, mask, softmax; grouped over the GQA dimension (the ``rep`` query
+    heads of a KV head form one ``(rep * rows, D)`` matrix, so K/V are never repeated).
+
+    Under a causal mask (``None`` or :class:`LeftPadding`) the queries go in chunks of ``_BAND_CHUNK`` rows over
+    only the keys they can see (:func:`_chunk_keys`): about half the work of the full score matrix, a window's band
+    alone, and the mask applied on the chunk's edge columns only (:func:`_edge_columns`). With a softcap the logits
+    are bounded, so the softmax is ``exp(z - shift)`` normalised after ``P @ V`` by the row sums (no row-max pass,
+    no pass over P to normalise; rows without keys give 0 / tiny = 0). Without autograd all of it runs in place.
+    """
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
     ct = torch.promote_types(q.dtype, torch.float32)
-    qg = q.reshape(b, hkv, rep, sq, d).to(ct)
-    kt = k.to(ct).unsqueeze(2).transpose(-1, -2)
-    vg = v.to(ct).unsqueeze(2)
-    bool_mask = to_bool_mask(mask, sq, skv, causal=causal, sliding_window=sliding_window, device=q.device)
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    max_free = bool(softcap) and float(softcap) <= _MAX_FREE_SOFTCAP
+    shift = max(0.0, float(softcap) - 40.0) if max_free else 0.0
+    qg = (q.to(ct) * (scale / softcap if softcap else scale)).reshape(b, hkv, rep, sq, d)
+    kc, vc = k.to(ct), v.to(ct)
+    banded = causal and (mask is None or isinstance(mask, LeftPadding))  # each chunk's keys: a known range
+    bool_mask = None if banded else to_bool_mask(mask, sq, skv, causal=causal, sliding_window=sliding_window,
+                                                 device=q.device)
+    may_be_blind = not banded or isinstance(mask, LeftPadding) or sq > skv  # some query row may see no key
     chunk = max(1, _SCORE_BUDGET // max(1, b * hq * skv))
+    if banded:
+        chunk = min(chunk, _BAND_CHUNK)
+    if inplace:  # one score buffer for every chunk (a fresh one per chunk costs page faults on CPU)
+        widest = max(min(skv, chunk), skv if not banded else _chunk_keys(max(0, sq - chunk), sq, sq, skv,
+                                                                          sliding_window)[1])
+        sbuf = torch.empty(b, hkv, rep * chunk * widest, dtype=ct, device=q.device)
     outs = []
     for start in range(0, sq, chunk):
-        s = torch.matmul(qg[:, :, :, start : start + chunk], kt) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        if bool_mask is not None:
-            m = bool_mask[:, :, start : start + chunk].unsqueeze(1)  # (B|1, 1, 1, chunk, Skv)
-            s = s.masked_fill(~m, torch.finfo(ct).min)
-            p = torch.softmax(s, dim=-1) * m.any(-1, keepdim=True)  # rows without keys -> 0
+        end = min(sq, start + chunk)
+        if banded:
+            lo, hi = _chunk_keys(start, end, sq, skv, sliding_window)
+            m = _chunk_mask(start, end, lo, hi, sq, skv, sliding_window, mask, q.device)
+            edges = _edge_columns(start, end, lo, hi, sq, skv, sliding_window, mask)
         else:
-            p = torch.softmax(s, dim=-1)
-        outs.append(torch.matmul(p, vg))
+            lo, hi = 0, skv
+            m = None if bool_mask is None else bool_mask[:, :, start:end]
+            edges = [(0, skv)]
+        c, keys = end - start, hi - lo
+        qc = qg[:, :, :, start:end].reshape(b, hkv, rep * c, d)
+        if inplace:
+            s = _scores_into(qc, kc[:, :, lo:hi], sbuf[..., : rep * c * keys].view(b, hkv, rep * c, keys))
+        else:
+            s = torch.matmul(qc, kc[:, :, lo:hi].transpose(-1, -2))
+        s = s.view(b, hkv, rep, c, keys)
+        if softcap:
+            s = s.tanh_().mul_(softcap) if inplace else torch.tanh(s) * softcap
+        if max_free:
+            p = (s.sub_(shift).exp_() if inplace else torch.exp(s - shift)) if shift else (
+                s.exp_() if inplace else torch.exp(s))
+            p = _apply_mask(p, m, edges, 0.0, inplace)
+        else:
+            p = torch.softmax(_apply_mask(s, m, edges, torch.finfo(ct).min, inplace), dim=-1)
+            if m is not None and may_be_blind:  # rows without keys -> 0
+                blind = ~m.unsqueeze(1).any(-1, keepdim=True)
+                p = p.masked_fill_(blind, 0.0) if inplace else p.masked_fill(blind, 0.0)
+        o = torch.matmul(p.view(b, hkv, rep * c, keys), vc[:, :, lo:hi]).view(b, hkv, rep, c, d)
+        if max_free:
+            o = o / p.sum(-1, keepdim=True).clamp_min(torch.finfo(ct).tiny)
+        outs.append(o)
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     return out.reshape(b, hq, sq, d).to(q.dtype)
+
+
+def _scores_into(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out (B, H, R, K) = q (B, H, R, D) @ k (B, H, K, D)^T``, one ``mm`` per (batch, head) into ``out``: on CPU
+    ≈ 2× faster than the batched ``matmul`` (which also allocates its output) for a 768 × 64 × 4096 score chunk."""
+    for i in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            torch.mm(q[i, h], k[i, h].transpose(0, 1), out=out[i, h])
+    return out
+
+
+def _apply_mask(s, m, edges, fill, inplace):
+    """``s (B, Hkv, rep, C, K)`` with ``fill`` where the chunk mask ``m (B|1, 1, C, K)`` is False: in place on the
+    ``edges`` column ranges only, or out of place (autograd) over the whole chunk."""
+    if m is None:
+        return s
+    m = m.unsqueeze(1)
+    if not inplace:
+        return s.masked_fill(~m, fill)
+    for a, e in edges:
+        s[..., a:e].masked_fill_(~m[..., a:e], fill)
+    return s
 
 
 def dense_attention(
