@@ -93,6 +93,29 @@ def causal_bool_mask(
     return keep[None, None]
 
 
+def band_spans(sq: int, skv: int, window: int | None, rows: int) -> list[tuple[int, int, int, int]]:
+    """``(q0, q1, k0, k1)`` per chunk of ``rows`` queries: local query rows ``[q0, q1)`` and the key slice
+    ``[k0, k1)`` they can see under bottom-right causal attention with an optional ``window``. The slice ends at the
+    chunk's last query, so the chunk keeps the bottom-right alignment (empty when no query of the chunk sees a key)."""
+    off = skv - sq
+    spans = []
+    for q0 in range(0, sq, rows):
+        q1 = min(sq, q0 + rows)
+        k1 = max(0, q1 + off)
+        spans.append((q0, q1, 0 if window is None else min(k1, max(0, q0 + off - window + 1)), k1))
+    return spans
+
+
+def slice_mask(mask, q0: int, q1: int, k0: int, k1: int):
+    """The contract mask of a chunk from :func:`band_spans`: ``None`` stays ``None``; a :class:`LeftPadding`
+    descriptor moves into the key slice (first valid key ``max(0, first_valid - k0)``)."""
+    if mask is None:
+        return None
+    if isinstance(mask, LeftPadding):
+        return LeftPadding((mask.first_valid - k0).clamp(min=0), q1 - q0, k1 - k0)
+    raise TypeError(f"the band path takes a None or LeftPadding mask, got {type(mask).__name__}")
+
+
 def to_bool_mask(
     mask,
     q_len: int,

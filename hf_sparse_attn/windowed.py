@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .masks import ChunkedCausal, LeftPadding
+from .masks import ChunkedCausal, band_spans, slice_mask
 from .methods.base import shape_cached
 from .tiles import BflaPlan, block_valid, compact
 
@@ -37,26 +37,6 @@ MIN_ROWS = 8
 def band_rows(window: int) -> int:
     """Query rows per chunk of the CPU band path for window ``W``."""
     return min(MAX_ROWS, max(MIN_ROWS, int(window)))
-
-
-def band_spans(sq: int, skv: int, window: int, rows: int) -> list[tuple[int, int, int, int]]:
-    """``(q0, q1, k0, k1)`` per chunk: local query rows ``[q0, q1)`` and the key slice ``[k0, k1)`` they can see."""
-    off = skv - sq
-    spans = []
-    for q0 in range(0, sq, rows):
-        q1 = min(sq, q0 + rows)
-        spans.append((q0, q1, max(0, q0 + off - window + 1), q1 + off))
-    return spans
-
-
-def slice_mask(mask, q0: int, q1: int, k0: int, k1: int):
-    """The contract mask of a chunk: ``None`` stays ``None``; a :class:`LeftPadding` descriptor moves into the key
-    slice (first valid key ``max(0, first_valid - k0)``)."""
-    if mask is None:
-        return None
-    if isinstance(mask, LeftPadding):
-        return LeftPadding((mask.first_valid - k0).clamp(min=0), q1 - q0, k1 - k0)
-    raise TypeError(f"the band path takes a None or LeftPadding mask, got {type(mask).__name__}")
 
 
 def band_saves_work(sq: int, skv: int, window: int) -> bool:

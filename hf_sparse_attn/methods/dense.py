@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..masks import LeftPadding, to_bool_mask
+from ..masks import LeftPadding, band_spans, slice_mask, to_bool_mask
 from .base import TRITON_HEAD_DIMS, Method, MethodConfig, log_once, triton_available
 
 # Query rows per chunk of the explicit-score path, bounded so a chunk's scores stay ~256 MB in fp32.
@@ -50,37 +50,14 @@ def _left_padded_causal(q, k, v, first_valid, scale, gqa):
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _chunk_keys(start: int, end: int, sq: int, skv: int, sliding_window: int | None) -> tuple[int, int]:
-    """The key range ``[lo, hi)`` that causal (bottom-right) attention with an optional window lets the queries
-    ``[start, end)`` see: the keys up to the last query's position, from the first query's window start."""
-    off = skv - sq
-    lo = 0 if sliding_window is None else max(0, start + off - sliding_window + 1)
-    return min(lo, skv), max(min(skv, end + off), 0)
-
-
-def _chunk_mask(start, end, lo, hi, sq, skv, sliding_window, mask, device) -> torch.Tensor:
-    """Bool ``(B|1, 1, end - start, hi - lo)``: which of the keys ``[lo, hi)`` the queries ``[start, end)`` see under
-    causal (bottom-right) attention, the window, and a :class:`LeftPadding` ``mask`` (or None)."""
-    q_pos = torch.arange(start, end, device=device)[:, None] + (skv - sq)
-    k_pos = torch.arange(lo, hi, device=device)[None, :]
-    keep = k_pos <= q_pos
-    if sliding_window is not None:
-        keep &= k_pos > q_pos - sliding_window
-    if isinstance(mask, LeftPadding):
-        return keep & (k_pos >= mask.first_valid.to(device).view(-1, 1, 1, 1))
-    return keep[None, None]
-
-
-def _edge_columns(start, end, lo, hi, sq, skv, sliding_window, mask) -> list[tuple[int, int]]:
-    """The column ranges (relative to ``lo``) of a banded chunk's scores where :func:`_chunk_mask` has a False: the
-    causal edge (keys past the chunk's first query), the window's left edge (keys before the last query's window),
-    and, under :class:`LeftPadding`, everything. The other columns every row of the chunk sees."""
-    keys = hi - lo
-    if isinstance(mask, LeftPadding):
+def _edge_columns(c: int, keys: int, sliding_window: int | None, padded: bool) -> list[tuple[int, int]]:
+    """The column ranges of a ``(c, keys)`` bottom-right causal chunk (:func:`band_spans`) that its mask can hide:
+    the causal edge (keys past the first query), the window's left edge (keys before the last query's window), and,
+    under left padding, everything. Every row of the chunk sees the other columns."""
+    if padded:
         return [(0, keys)]
-    off = skv - sq
-    causal_edge = min(keys, max(0, start + off + 1 - lo))
-    window_edge = 0 if sliding_window is None else min(keys, max(0, end + off - sliding_window - lo))
+    causal_edge = min(keys, max(0, keys - c + 1))
+    window_edge = 0 if sliding_window is None else min(keys, max(0, keys - sliding_window))
     if window_edge >= causal_edge:
         return [(0, keys)]
     return [r for r in ((0, window_edge), (causal_edge, keys)) if r[1] > r[0]]
@@ -96,10 +73,11 @@ def _explicit(q, k, v, mask, scale, causal, softcap, sliding_window):
     heads of a KV head form one ``(rep * rows, D)`` matrix, so K/V are never repeated).
 
     Under a causal mask (``None`` or :class:`LeftPadding`) the queries go in chunks of ``_BAND_CHUNK`` rows over
-    only the keys they can see (:func:`_chunk_keys`): about half the work of the full score matrix, a window's band
-    alone, and the mask applied on the chunk's edge columns only (:func:`_edge_columns`). With a softcap the logits
-    are bounded, so the softmax is ``exp(z - shift)`` normalised after ``P @ V`` by the row sums (no row-max pass,
-    no pass over P to normalise; rows without keys give 0 / tiny = 0). Without autograd all of it runs in place.
+    only the keys they can see (:func:`~hf_sparse_attn.masks.band_spans`): about half the work of the full score
+    matrix, a window's band alone, and the mask applied on the chunk's edge columns only (:func:`_edge_columns`).
+    With a softcap the logits are bounded, so the softmax is ``exp(z - shift)`` normalised after ``P @ V`` by the
+    row sums (no row-max pass, no pass over P to normalise; rows without keys give 0 / tiny = 0). Without autograd
+    all of it runs in place.
     """
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
@@ -117,22 +95,21 @@ def _explicit(q, k, v, mask, scale, causal, softcap, sliding_window):
     chunk = max(1, _SCORE_BUDGET // max(1, b * hq * skv))
     if banded:
         chunk = min(chunk, _BAND_CHUNK)
+        spans = band_spans(sq, skv, sliding_window, chunk)
+    else:
+        spans = [(start, min(sq, start + chunk), 0, skv) for start in range(0, sq, chunk)]
     if inplace:  # one score buffer for every chunk (a fresh one per chunk costs page faults on CPU)
-        widest = max(min(skv, chunk), skv if not banded else _chunk_keys(max(0, sq - chunk), sq, sq, skv,
-                                                                          sliding_window)[1])
-        sbuf = torch.empty(b, hkv, rep * chunk * widest, dtype=ct, device=q.device)
+        sbuf = torch.empty(b, hkv, rep * chunk * max(hi - lo for _, _, lo, hi in spans), dtype=ct, device=q.device)
     outs = []
-    for start in range(0, sq, chunk):
-        end = min(sq, start + chunk)
+    for start, end, lo, hi in spans:
+        c, keys = end - start, hi - lo
         if banded:
-            lo, hi = _chunk_keys(start, end, sq, skv, sliding_window)
-            m = _chunk_mask(start, end, lo, hi, sq, skv, sliding_window, mask, q.device)
-            edges = _edge_columns(start, end, lo, hi, sq, skv, sliding_window, mask)
+            m = to_bool_mask(slice_mask(mask, start, end, lo, hi), c, keys, causal=True, sliding_window=sliding_window,
+                             device=q.device)
+            edges = _edge_columns(c, keys, sliding_window, isinstance(mask, LeftPadding))
         else:
-            lo, hi = 0, skv
             m = None if bool_mask is None else bool_mask[:, :, start:end]
             edges = [(0, skv)]
-        c, keys = end - start, hi - lo
         qc = qg[:, :, :, start:end].reshape(b, hkv, rep * c, d)
         if inplace:
             s = _scores_into(qc, kc[:, :, lo:hi], sbuf[..., : rep * c * keys].view(b, hkv, rep * c, keys))
@@ -142,9 +119,9 @@ def _explicit(q, k, v, mask, scale, causal, softcap, sliding_window):
         if softcap:
             s = s.tanh_().mul_(softcap) if inplace else torch.tanh(s) * softcap
         if max_free:
-            p = (s.sub_(shift).exp_() if inplace else torch.exp(s - shift)) if shift else (
-                s.exp_() if inplace else torch.exp(s))
-            p = _apply_mask(p, m, edges, 0.0, inplace)
+            if shift:
+                s = s.sub_(shift) if inplace else s - shift
+            p = _apply_mask(s.exp_() if inplace else torch.exp(s), m, edges, 0.0, inplace)
         else:
             p = torch.softmax(_apply_mask(s, m, edges, torch.finfo(ct).min, inplace), dim=-1)
             if m is not None and may_be_blind:  # rows without keys -> 0
