@@ -7,6 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_sparse_attn import list_methods
+from hf_sparse_attn.cpu_threads import single_threaded_ops
 from hf_sparse_attn.functional import sparse_attention
 
 S = 4096
@@ -27,12 +28,8 @@ def _largest_prefill_allocation(method: str, s: int) -> int:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, s, 64, generator=g)
     k, v = torch.randn(1, 2, s, 64, generator=g), torch.randn(1, 2, s, 64, generator=g)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU paths' worker threads would allocate outside the profiled thread
-    try:
+    with single_threaded_ops():  # else the CPU paths' worker threads allocate outside the profiled thread
         return _largest_allocation(lambda: sparse_attention(q, k, v, method=method, **CASES[method]))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("method", sorted(CASES))

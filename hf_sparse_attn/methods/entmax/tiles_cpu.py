@@ -54,7 +54,7 @@ from .rowwise import _tau_sorted
 
 TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
 TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
-_CHUNK_ELEMS = 1 << 22  # score elements (B·Hq·rows·keys) of one forward chunk
+_CHUNK_ELEMS = 1 << 22  # score elements (B·Hq·rows·keys) of one forward chunk (sweep: RESULTS.md, 2026-12-06)
 _PAIR_ELEMS = 1 << 20  # pair elements (pairs·TILE²) of one backward chunk
 SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
 _GATHER_ROWS = 1 << 15  # support entries whose D-wide rows are gathered at once (bounds the gather buffers)
