@@ -336,7 +336,8 @@ def to_markdown(res: dict) -> str:
     lines = [
         f"# hf-sparse-attn bench ({res['device']}, {res['model']}, {res['threads']} threads{busy})",
         "",
-        f"1-min load average: {res.get('load_before')} before, {res.get('load_after')} after.",
+        f"1-min load average: {res.get('load_before')} before"
+        + (f", {res['load_after']} after." if res.get("load_after") is not None else " (the run goes on)."),
         "",
     ]
     for length, r in res["lengths"].items():

@@ -46,7 +46,10 @@ def test_bench_end_to_end_small(tmp_path):
     # the options reached patch_model: a plan on every layer (min_seq_len=0), then the dense path (dense_density=0)
     assert r["prefill_prose"][bfla_spec]["dense_layers"] == list(range(30))
     md = (out / "bench.md").read_text()
-    assert "1 threads, 1 competing busy processes" in md and "prefill_prose" in md and "1-min load average" in md
+    assert "1 threads, 1 competing busy processes" in md and "prefill_prose" in md
+    assert f"1-min load average: {res['load_before']} before, {res['load_after']} after." in md
+    # the report printed after each length, before the run ends, has no "after" figure yet (not "None after")
+    assert "(the run goes on)" in bench.to_markdown({**res, "load_after": None}) and "None" not in md
 
 
 def test_prose_ids_have_the_length_and_name_the_limit():
