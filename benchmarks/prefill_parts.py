@@ -3,10 +3,11 @@
 Forward hooks time every decoder layer's ``self_attn`` and ``mlp``; for bfla the method's own stages are timed
 too (``make_plan``: estimate + selection; ``attend``: the sparse pass; ``dense path``: layers that run the exact
 dense path, e.g. by the ``dense_density`` rule). The methods alternate within each repetition, the first one is a
-warm-up; medians per part. Prompt: real English text (:func:`hf_sparse_attn.bench.prose_ids`) or random tokens.
+warm-up; medians per part. Prompts and method specs as ``hf-sparse-attn bench`` takes them
+(:data:`hf_sparse_attn.bench.PROMPTS`, :func:`hf_sparse_attn.bench.parse_method`).
 
     .venv/bin/python benchmarks/prefill_parts.py --length 8192 --reps 3                  # torch's default threads
-    .venv/bin/python benchmarks/prefill_parts.py --length 8192 --prompt random --methods unpatched,bfla,dense
+    .venv/bin/python benchmarks/prefill_parts.py --prompt random --methods "unpatched,bfla,bfla:keep_mass=0.9"
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import statistics
 import time
 
 import torch
+
+from hf_sparse_attn.bench import PROMPTS, parse_method, prompt_batch
 
 
 @contextlib.contextmanager
@@ -62,8 +65,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--length", type=int, default=8192)
-    p.add_argument("--prompt", choices=("prose", "random"), default="prose")
-    p.add_argument("--methods", default="unpatched,bfla", help="comma-separated: unpatched and/or method names")
+    p.add_argument("--prompt", choices=PROMPTS, default="prose")
+    p.add_argument("--methods", default="unpatched,bfla", help="comma-separated: unpatched and/or method specs")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = p.parse_args()
@@ -73,12 +76,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from hf_sparse_attn import patch_model
-    from hf_sparse_attn.bench import prose_ids, random_ids
     from hf_sparse_attn.models import load
 
     model, tok = load(args.model)
     model.eval()
-    ids = prose_ids(tok, args.length) if args.prompt == "prose" else random_ids(model.config.vocab_size, args.length)
+    ids, mask = prompt_batch(args.prompt, tok, model.config.vocab_size, args.length)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     acc: dict[str, float] = collections.defaultdict(float)
     rows: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(list) for m in methods}
@@ -88,11 +90,12 @@ def main() -> None:
     try:
         for rep in range(args.reps + 1):
             for m in methods:
-                handle = None if m == "unpatched" else patch_model(model, method=m)
+                name, config = parse_method(m)
+                handle = None if m == "unpatched" else patch_model(model, method=name, **config)
                 acc.clear()
                 with _timed_stages(acc), torch.no_grad():
                     t0 = time.perf_counter()
-                    model(input_ids=ids, logits_to_keep=1)
+                    model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
                     total = time.perf_counter() - t0
                 if handle is not None:
                     handle.remove()
