@@ -18,11 +18,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_sparse_attn.bench import capture_qkv
 from hf_sparse_attn.eval.demo import FINETUNED
 from hf_sparse_attn.finetune import load_finetuned
 from hf_sparse_attn.methods.entmax import entmax_attention, tiles_cpu
-from hf_sparse_attn.methods.entmax_variants import asentmax_theta
+from hf_sparse_attn.methods.entmax.variants import asentmax_theta
+from hf_sparse_attn.tools.bench import capture_qkv
 
 
 def _seconds(fn) -> float:

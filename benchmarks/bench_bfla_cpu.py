@@ -161,7 +161,7 @@ def oracle(model_name: str, length: int, prefix: int | None, block_size: int, ke
 def _worst_head_cover(exact: torch.Tensor, sel: torch.Tensor, kv_heads: int) -> float:
     """The lowest, over query heads, of the true mass inside the selection after the GQA union (mean over query
     blocks)."""
-    from hf_sparse_attn.methods.bfla.select import union_per_query_head
+    from hf_sparse_attn.ops.bfla_plan.select import union_per_query_head
 
     return float((exact * union_per_query_head(sel, kv_heads)).sum(-1).mean(-1).min())
 

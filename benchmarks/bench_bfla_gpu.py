@@ -35,8 +35,8 @@ def _bench_length(n, b, hq, hkv, d, bs, dt, scale, args):
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
     from hf_sparse_attn.methods import bfla
+    from hf_sparse_attn.ops.block_sparse.triton_fwd import triton_fwd
 
     dev = "cuda"
     torch.manual_seed(0)

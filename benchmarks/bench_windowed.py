@@ -1,4 +1,4 @@
-"""Sliding-window layers at band cost (``hf_sparse_attn.windowed``), every figure a ratio measured side by side.
+"""Sliding-window layers at band cost (``hf_sparse_attn.ops.band``), every figure a ratio measured side by side.
 
     python benchmarks/bench_windowed.py op  --lengths 4096,8192,16384 [--threads 2]
     python benchmarks/bench_windowed.py op  --device cuda --dtype bfloat16 --lengths 16384,32768,65536
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_sparse_attn import patch_model, windowed
-from hf_sparse_attn.masks import causal_bool_mask
-from hf_sparse_attn.methods.dense import dense_attention
+from hf_sparse_attn.core.masks import causal_bool_mask
+from hf_sparse_attn.ops.dense import dense_attention
 
 
 def _timed(fn, reps: int) -> tuple[float, torch.Tensor]:

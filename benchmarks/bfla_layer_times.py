@@ -28,8 +28,8 @@ def _best(fn, reps: int) -> float:
 
 def _layer_line(layer, q, k, v, scale, cfg, reps: int, min_runs: list[int]) -> str:
     from hf_sparse_attn.methods import bfla
-    from hf_sparse_attn.methods.bfla import attend_cpu
     from hf_sparse_attn.methods.bfla.dispatch import attend, make_plan
+    from hf_sparse_attn.ops.block_sparse import cpu as attend_cpu
 
     with torch.no_grad():
         dense = _best(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -50,9 +50,9 @@ def _layer_line(layer, q, k, v, scale, cfg, reps: int, min_runs: list[int]) -> s
 
 
 def main(argv=None) -> int:
-    from hf_sparse_attn.bench import capture_qkv
     from hf_sparse_attn.methods import bfla
     from hf_sparse_attn.models import load
+    from hf_sparse_attn.tools.bench import capture_qkv
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="offline model alias (hf_sparse_attn.models)")

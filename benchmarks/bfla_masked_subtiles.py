@@ -35,11 +35,11 @@ def count_masked(plan, sq: int, skv: int, bm: int, bn: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_sparse_attn.bench import capture_qkv
-    from hf_sparse_attn.kernels.bfla_fwd import fwd_tiles
     from hf_sparse_attn.methods import bfla
     from hf_sparse_attn.methods.bfla.dispatch import make_plan
     from hf_sparse_attn.models import load
+    from hf_sparse_attn.ops.block_sparse.triton_fwd import fwd_tiles
+    from hf_sparse_attn.tools.bench import capture_qkv
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="offline model alias (hf_sparse_attn.models)")

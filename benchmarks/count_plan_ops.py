@@ -1,5 +1,5 @@
 """Count what bfla's plan (``build_plan``) costs in launches and host syncs: the PyTorch path vs the Triton plan
-kernels (``hf_sparse_attn.kernels.bfla_plan``), and (``--time``, CUDA) how long each takes per layer.
+kernels (``hf_sparse_attn.ops.bfla_plan.triton_plan``), and (``--time``, CUDA) how long each takes per layer.
 
 Counts, per ``build_plan`` call after a warm-up call (shape-cached tile masks are built then):
 
@@ -167,7 +167,7 @@ def _time_stages(q, k, reps: int) -> dict:
     """CUDA: the plan's two launches apart: ``plan_estimate`` per (key_chunk, num_warps) of
     :data:`ESTIMATE_VARIANTS` (each checked bit for bit against the unsplit 4-warp masses), then ``plan_select`` on
     its masses. Defaults: rows_per_block 8, block 128, no window / padding."""
-    from hf_sparse_attn.kernels.bfla_plan import plan_estimate, plan_select
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import plan_estimate, plan_select
 
     kw = dict(scale=q.shape[-1] ** -0.5, softcap=None, sliding_window=None, block_size=128, rows_per_block=8)
     mass, ent = plan_estimate(q, k, **kw, key_chunk=0, num_warps=4)
@@ -189,8 +189,8 @@ def estimate_work(length: int, rep: int = 4, head_dim: int = 128, key_chunk: int
     tokens, from the wrapper's own tile and chunk functions: programs launched, those with key blocks to walk, the
     most key sub-tiles one program walks (its serial chain: the critical path when the GPU has room for every
     program) and the sub-tiles of all programs (the work, the same for every ``key_chunk``)."""
-    from hf_sparse_attn.kernels.bfla_estimate import estimate_tiles
-    from hf_sparse_attn.kernels.bfla_plan import estimate_chunks
+    from hf_sparse_attn.ops.bfla_plan.triton_estimate import estimate_tiles
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import estimate_chunks
 
     _, hpt, qbp, bn = estimate_tiles(rep, rows_per_block, bs, head_dim)
     nq = nk = -(-length // bs)

@@ -248,7 +248,7 @@ def loops(sass: Sass) -> list[dict]:
 def launch_entmax(mode: int, dtype: torch.dtype, head_dim: int = 128, backward: bool = True,
                   softcap: float | None = 30.0) -> None:
     """The entmax forward (and dQ, dK/dV) launches of α ``mode`` (0 general, 1: 1.5, 2: 2) at GQA 4."""
-    from hf_sparse_attn.kernels import entmax_triton as KT
+    from hf_sparse_attn.ops.entmax import triton as KT
 
     b, hq, hkv, s, d = 1, 8, 2, 256, head_dim
     q, k, v = (torch.zeros(b, h, s, d, dtype=dtype) for h in (hq, hkv, hkv))
@@ -261,7 +261,8 @@ def launch_entmax(mode: int, dtype: torch.dtype, head_dim: int = 128, backward: 
 
 def launch_bfla(head_dim: int, dtype: torch.dtype, backward: bool = True) -> None:
     """bfla's forward (and dQ, dK/dV) launches with the tiles a GPU run picks (block 128, GQA 4)."""
-    from hf_sparse_attn.kernels import bfla_bwd, bfla_fwd
+    from hf_sparse_attn.ops.block_sparse import triton_bwd as bfla_bwd
+    from hf_sparse_attn.ops.block_sparse import triton_fwd as bfla_fwd
 
     b, hq, hkv, s, bs = 1, 8, 2, 256, 128
     q, k, v = (torch.zeros(b, h, s, head_dim, dtype=dtype) for h in (hq, hkv, hkv))
@@ -279,8 +280,8 @@ def launch_plan(nk: int = 16, key_chunks: tuple[int, ...] = (0, 2)) -> None:
     """bfla's two plan launches with every option a GPU run can switch on (softcap, window, left padding, per-head
     ``keep_mass``); GQA 4, head_dim 128, bf16; the estimate whole and split over its key range. ``nk``: key blocks
     of the select tile."""
-    from hf_sparse_attn.kernels.bfla_plan import plan_estimate, plan_select
     from hf_sparse_attn.methods.bfla import BflaConfig
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import plan_estimate, plan_select
 
     b, hq, hkv, s, d, bs = 2, 8, 2, 2048, 128, 128
     q, k = (torch.zeros(b, h, s, d, dtype=torch.bfloat16) for h in (hq, hkv))
@@ -304,7 +305,7 @@ GROUPS = {  # name -> (launch, source file of its kernels)
 
 def report(groups: list[str], warps: list[int], with_sass: bool = True) -> list[dict]:
     """Compile each group's launches (entmax at each of ``warps``) and count them."""
-    from hf_sparse_attn.kernels import entmax_triton as KT
+    from hf_sparse_attn.ops.entmax import triton as KT
 
     rows, seen = [], set()
     for group in groups:

@@ -65,7 +65,7 @@ def _run(model, tok, prompt, method: str, max_new: int, **conf):
 
 
 def search(args) -> list[dict]:
-    from hf_sparse_attn import prose
+    from hf_sparse_attn.testing import prose
 
     model, tok = _load(args.model)
     rows = []
@@ -137,7 +137,7 @@ def _layer_analysis(q, k, v, scale, cfg, spans, n_last: int) -> dict:
 
 
 def diagnose(args) -> dict:
-    from hf_sparse_attn import prose
+    from hf_sparse_attn.testing import prose
 
     model, tok = _load(args.model)
     p = prose.needle_prompt(tok, args.length, depth=args.depth, text=args.text, chat_template=args.chat_template)

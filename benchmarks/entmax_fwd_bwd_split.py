@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from hf_sparse_attn.methods import entmax as E
-from hf_sparse_attn.methods.entmax import dense_cpu
+from hf_sparse_attn.ops.entmax import dense_cpu
 
 
 def _split(fn, q, k, v) -> tuple[float, float]:

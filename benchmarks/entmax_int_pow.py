@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_sparse_attn.bench import capture_qkv
 from hf_sparse_attn.methods.entmax import entmax_attention, tiles_cpu
 from hf_sparse_attn.models import load
+from hf_sparse_attn.tools.bench import capture_qkv
 
 _INT_POW = tiles_cpu._pow_support
 

@@ -58,8 +58,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_entmax_cpu import capture
 
-    from hf_sparse_attn.kernels import entmax_triton as T
     from hf_sparse_attn.methods import entmax as E
+    from hf_sparse_attn.ops.entmax import triton as T
 
     n = args.length
     caps = capture(8192, [int(x) for x in args.layers.split(",")])

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_attn.methods.entmax.tiles_cpu import TILE, blockwise_forward
+from hf_sparse_attn.ops.entmax.tiles_cpu import TILE, blockwise_forward
 
 BINS = 15  # kernels.entmax_triton.HIST_PER_UNIT
 

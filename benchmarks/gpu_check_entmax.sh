@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hf_sparse_attn.kernels import entmax_triton as KT
+from hf_sparse_attn.ops.entmax import triton as KT
 from hf_sparse_attn.methods import entmax as E
 
 out_dir = sys.argv[1]

@@ -4,7 +4,7 @@ Forward hooks time every decoder layer's ``self_attn`` and ``mlp``; for bfla the
 too (``make_plan``: estimate + selection; ``attend``: the sparse pass; ``dense path``: layers that run the exact
 dense path, e.g. by the ``dense_density`` rule). The methods alternate within each repetition, the first one is a
 warm-up; medians per part. Prompts and method specs as ``hf-sparse-attn bench`` takes them
-(:data:`hf_sparse_attn.bench.PROMPTS`, :func:`hf_sparse_attn.bench.parse_method`).
+(:data:`hf_sparse_attn.tools.bench.PROMPTS`, :func:`hf_sparse_attn.tools.bench.parse_method`).
 
     .venv/bin/python benchmarks/prefill_parts.py --length 8192 --reps 3                  # torch's default threads
     .venv/bin/python benchmarks/prefill_parts.py --prompt random --methods "unpatched,bfla,bfla:keep_mass=0.9"
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hf_sparse_attn.bench import PROMPTS, parse_method, prompt_batch
+from hf_sparse_attn.tools.bench import PROMPTS, parse_method, prompt_batch
 
 
 @contextlib.contextmanager

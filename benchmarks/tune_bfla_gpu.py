@@ -40,7 +40,7 @@ def tiles(n: int, budget_s: float) -> list[dict]:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from hf_sparse_attn.kernels.bfla_fwd import _launch_fwd, fwd_tiles
+    from hf_sparse_attn.ops.block_sparse.triton_fwd import _launch_fwd, fwd_tiles
 
     rows = []
     t0 = time.time()
@@ -121,8 +121,8 @@ def tiles(n: int, budget_s: float) -> list[dict]:
 def plan_profile(n: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from hf_sparse_attn.kernels.bfla_estimate import triton_estimate_rows
     from hf_sparse_attn.methods import bfla
+    from hf_sparse_attn.ops.bfla_plan.triton_estimate import triton_estimate_rows
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=g)

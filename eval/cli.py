@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .runner import EvalConfig, parse_method_configs, run_eval
+from hf_sparse_attn.eval.runner import EvalConfig, parse_method_configs, run_eval
 
 
 def _csv(text: str) -> list[str]:

@@ -51,7 +51,7 @@ def with_finetune(methods: list[str], folder: str, model: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import main as eval_main
+    from hf_sparse_attn.eval.cli import main as eval_main
 
     p = argparse.ArgumentParser(prog="hf-sparse-attn demo", description=__doc__)
     p.add_argument("--out", default="demo_out")

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .harness_tasks import resolve_pretrained
+from hf_sparse_attn.eval.harness_tasks import resolve_pretrained
 
 INSTALL_HINT = 'pip install "hf-sparse-attn[eval]"'
 
@@ -147,7 +147,7 @@ class SparseAttnLM(HFLM):
         if context.shape[0] != 1 or not greedy or (mask is not None and not bool(mask.all())):
             _log_once("hf-sparse-attn: sampling or batched generation: HFLM's generate, no prefill timing")
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        from .runner import _eos_ids, greedy_decode
+        from hf_sparse_attn.eval.runner import _eos_ids, greedy_decode
 
         handle = self.handle
         density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)

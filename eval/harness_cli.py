@@ -66,7 +66,7 @@ def our_tasks_included():
     task folder (after a user's ``--include_path``, which lm-eval's CLI takes as one folder)."""
     import lm_eval.tasks
 
-    from .harness_tasks import TASKS_DIR
+    from hf_sparse_attn.eval.harness_tasks import TASKS_DIR
 
     original = lm_eval.tasks.TaskManager
 
@@ -114,7 +114,7 @@ def _run_lm_eval(argv: list[str]) -> int:
     """lm-eval's CLI on ``argv`` (our model registered); writes prefill records; returns an exit code."""
     from lm_eval.__main__ import cli_evaluate
 
-    from . import harness
+    from hf_sparse_attn.eval import harness
 
     harness.SparseAttnLM.instances = []
     old = sys.argv

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import longbench, ruler
+from hf_sparse_attn.eval import longbench, ruler
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 PREFIX = "hfsa_"
@@ -147,7 +147,7 @@ def longbench_docs(hfsa_task: str, **meta: Any):
 
 def process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
     """lm-eval ``process_results``: the sample's 0-100 score under ``score`` and under its length (``"4096"``)."""
-    from .runner import score_sample
+    from hf_sparse_attn.eval.runner import score_sample
 
     sample = json.loads(doc["sample"])
     score = float(score_sample(sample, results[0]))

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .metrics import METRICS, multiple_choice_score
+from hf_sparse_attn.eval.metrics import METRICS, multiple_choice_score
 
 __all__ = [
     "DATASET2MAXLEN",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import metrics, ruler
+from hf_sparse_attn.eval import metrics, ruler
 
 BASELINE = "dense"
 UNPATCHED = "unpatched"  # the stock transformers model (no patch), a row beside the exact patched `dense`
@@ -218,7 +218,7 @@ def validate(cfg: EvalConfig) -> list[MethodSpec]:
         raise ValueError("no task given")
     for task in cfg.tasks:
         if _is_longbench(task):
-            from . import longbench
+            from hf_sparse_attn.eval import longbench
 
             longbench.check_task(task, cfg.longbench_dir)  # clear error for an unknown task or missing file
         else:
@@ -268,7 +268,7 @@ def _samples_for(cfg: EvalConfig, tokenizer, task: str, length: int, sample_dir:
     if cached is not None:
         return cached
     if _is_longbench(task):
-        from . import longbench
+        from hf_sparse_attn.eval import longbench
 
         samples = longbench.load_longbench(
             task, cfg.longbench_dir, tokenizer=tokenizer, max_length=length, chat_template=cfg.chat_template
@@ -303,7 +303,7 @@ def greedy_decode(
     """
     from transformers import DynamicCache
 
-    from hf_sparse_attn.compat import cache_kwargs
+    from hf_sparse_attn.core.compat import cache_kwargs
 
     cached = cache_kwargs(model, DynamicCache(config=model.config))
     t0 = time.perf_counter()
@@ -415,7 +415,7 @@ def score_sample(sample: dict, prediction: str) -> float:
     """0–100 score of one prediction with the sample's metric (RULER) or its LongBench task metric."""
     if sample["metric"] in ("string_match_all", "string_match_part"):
         return metrics.ruler_score(sample["metric"], prediction, sample["answers"])
-    from . import longbench
+    from hf_sparse_attn.eval import longbench
 
     return longbench.score_sample(sample["task"], prediction, sample["answers"], sample.get("all_classes"))
 
@@ -575,7 +575,7 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
     """
     from tqdm.auto import tqdm
 
-    from . import report
+    from hf_sparse_attn.eval import report
 
     cfg.methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
     specs = validate(cfg)
@@ -596,7 +596,7 @@ def run_eval(cfg: EvalConfig, model=None, tokenizer=None) -> dict[str, Any] | No
 
         model, tokenizer = load(cfg.model, dtype=getattr(torch, cfg.dtype))
     if tokenizer is None:
-        from .tokenizer import ByteTokenizer
+        from hf_sparse_attn.eval.tokenizer import ByteTokenizer
 
         tokenizer = ByteTokenizer(model.config.get_text_config().vocab_size)
     model.eval()
@@ -653,7 +653,7 @@ def _process_state():
         from accelerate import PartialState
     except ImportError:
         return None
-    from hf_sparse_attn.distributed import cpu_only_multiprocess
+    from hf_sparse_attn.core.distributed import cpu_only_multiprocess
 
     state = PartialState(cpu=cpu_only_multiprocess())
     return state if state.num_processes > 1 else None
@@ -663,7 +663,7 @@ def _end(state) -> None:
     """Multi-process runs: every process waits for the main one to write the results, then the group is torn down
     (a rank exiting with a live gloo group can abort in C++ teardown after its work is done)."""
     if state is not None:
-        from hf_sparse_attn.distributed import end_process_group
+        from hf_sparse_attn.core.distributed import end_process_group
 
         end_process_group()
 

@@ -1,9 +1,9 @@
 """hf-sparse-attn: sparse attention (BFLA, α-entmax) for Hugging Face Transformers models."""
 
-from .api import PatchHandle, patch_model, patched, unpatch_model
-from .integration import ATTN_NAME, register
-from .methods import list_methods
-from .patches import supported_model_types
+from hf_sparse_attn.api import PatchHandle, patch_model, patched, unpatch_model
+from hf_sparse_attn.integration import ATTN_NAME, register
+from hf_sparse_attn.methods import list_methods
+from hf_sparse_attn.patches import supported_model_types
 
 register()  # so that from_pretrained(..., attn_implementation="hf_sparse_attn") works after import
 

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
-from .integration import ATTN_NAME, STATE_ATTR, register
-from .methods import LayerState, Method, MethodConfig, get_method
-from .patches import has_sinks, select_patcher
-from .windowed import band_density
+from hf_sparse_attn.core.checks import check_range
+from hf_sparse_attn.integration import ATTN_NAME, STATE_ATTR, register
+from hf_sparse_attn.methods import LayerState, Method, MethodConfig, get_method
+from hf_sparse_attn.methods.entmax.method import AlphaParams
+from hf_sparse_attn.ops.band import band_density
+from hf_sparse_attn.patches import has_sinks, select_patcher
 
 HANDLE_ATTR = "_hf_sparse_attn_handle"
 _PARAMS_ATTR = "hf_sparse_attn_params"
@@ -153,7 +155,7 @@ class PatchHandle:
             if self.method.layer_stats is not None:
                 entry.update(self.method.layer_stats(state))
             window = state.stats.get("window")
-            if window is not None:  # a sliding-window layer: computed over its band (hf_sparse_attn.windowed)
+            if window is not None:  # a sliding-window layer: computed over its band (hf_sparse_attn.ops.band)
                 entry["windowed"] = True
                 entry["band_density"] = band_density(*window)
             layers[idx] = entry
@@ -316,3 +318,22 @@ def patched(model: torch.nn.Module, method: str = "bfla", **kwargs: Any) -> Iter
         yield handle
     finally:
         handle.remove()
+
+
+
+def set_alpha(model_or_handle, alpha: float) -> None:
+    """Set the current α of a model patched with ``entmax`` (or ``asentmax``): the config's α, or every learned
+    per-head α when ``learn_alpha=True``. Use with
+    :func:`hf_sparse_attn.methods.entmax.alpha_schedule` in a training loop."""
+    check_range("alpha", alpha, 1.0, 2.0, low_open=True)
+    handle = model_or_handle
+    if not isinstance(handle, PatchHandle):
+        handle = _unwrap(model_or_handle).__dict__.get(HANDLE_ATTR)
+    if handle is None or not handle.active:
+        raise ValueError("set_alpha: the model is not patched")
+    if not hasattr(handle.config, "alpha"):
+        raise ValueError(f"set_alpha: method {handle.method.name!r} has no alpha")
+    handle.config.alpha = float(alpha)
+    for state in handle.layers.values():
+        if isinstance(state.params, AlphaParams):
+            state.params.set_alpha(float(alpha))

@@ -35,9 +35,9 @@ def _delegate(module: str, argv: list[str]) -> int:
 _SUBCOMMANDS = {
     "eval": "hf_sparse_attn.eval.cli",
     "demo": "hf_sparse_attn.eval.demo",
-    "bench": "hf_sparse_attn.bench",
+    "bench": "hf_sparse_attn.tools.bench",
     "finetune": "hf_sparse_attn.finetune",
-    "calibrate": "hf_sparse_attn.calibrate",
+    "calibrate": "hf_sparse_attn.tools.calibrate",
     "lm-eval": "hf_sparse_attn.eval.harness_cli",
 }
 

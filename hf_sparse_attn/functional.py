@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .integration import run_method
-from .methods import get_method
+from hf_sparse_attn.integration import run_method
+from hf_sparse_attn.methods import get_method
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

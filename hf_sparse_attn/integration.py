@@ -2,15 +2,15 @@
 
 Contract of :func:`hf_sparse_attn_forward` (the same call convention as transformers' ``sdpa_attention_forward``):
 ``query (B,Hq,Sq,D)`` (may be non-contiguous), ``key/value (B,Hkv,Skv,D)`` (not repeated for GQA, cache already
-concatenated), a mask in the form of ``hf_sparse_attn.masks``, ``scaling`` (always used as given: Gemma passes
+concatenated), a mask in the form of ``hf_sparse_attn.core.masks``, ``scaling`` (always used as given: Gemma passes
 ``query_pre_attn_scalar**-0.5``, Gemma 4 passes 1.0), ``sliding_window``/``softcap``/``is_causal`` when the model
 passes them. Returns ``(B,Sq,Hq,D)`` contiguous and ``None`` (no attention weights).
 
 The method and its config are read from the attention module (``module.hf_sparse_attn``, set by ``patch_model``);
 a module without it runs the exact ``dense`` path, so ``attn_implementation="hf_sparse_attn"`` alone is exact.
 Every call goes through :func:`run_method`, which computes sliding-window layers over their band only
-(``hf_sparse_attn.windowed``), whatever the method. Learned sinks (``s_aux``, GPT-OSS) run the exact
-:func:`~hf_sparse_attn.sinks.sink_attention` (``dense``; ``bfla`` falls back to it, logged once); a v head_dim that
+(``hf_sparse_attn.ops.band``), whatever the method. Learned sinks (``s_aux``, GPT-OSS) run the exact
+:func:`~hf_sparse_attn.ops.sinks.sink_attention` (``dense``; ``bfla`` falls back to it, logged once); a v head_dim that
 differs from the q/k head_dim (multi-head latent attention) is zero-padded to it (exact for every method).
 """
 
@@ -21,11 +21,12 @@ import functools
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from .masks import ChunkedCausal, LeftPadding, hf_sparse_attn_mask
-from .methods.base import LayerState, Method, MethodConfig, log_once
-from .methods.dense import METHOD as DENSE
-from .sinks import sink_attention
-from .windowed import band_saves_work, chunked_attention, windowed_attention
+from hf_sparse_attn.core.log import log_once
+from hf_sparse_attn.core.masks import ChunkedCausal, LeftPadding, hf_sparse_attn_mask
+from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
+from hf_sparse_attn.methods.dense import METHOD as DENSE
+from hf_sparse_attn.ops.band import band_saves_work, chunked_attention, windowed_attention
+from hf_sparse_attn.ops.sinks import sink_attention
 
 ATTN_NAME = "hf_sparse_attn"
 STATE_ATTR = "hf_sparse_attn"
@@ -99,7 +100,7 @@ def _equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def _use_band_chunks(q: torch.Tensor, k: torch.Tensor, mask, causal: bool, sliding_window: int | None) -> bool:
-    """Whether a sliding-window call goes through :func:`~hf_sparse_attn.windowed.windowed_attention`: on CPU, and
+    """Whether a sliding-window call goes through :func:`~hf_sparse_attn.ops.band.windowed_attention`: on CPU, and
     for decode on CUDA. A CUDA prefill (unpadded or left-padded) runs the methods' own band-limited Triton kernels
     (dense → the bfla kernel over the band's tile lists, entmax → its window-bounded key loop): on an H200 the
     chunk path is 0.2-0.8× the masked SDPA there (many small launches), the Triton band path 4.7-79×."""
@@ -131,7 +132,7 @@ def run_method(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The one dispatch path (patched layers and the functional API): ``method.forward``, over the band of a
-    sliding-window layer (exact, see ``hf_sparse_attn.windowed``). q (B,Hq,Sq,D), k/v (B,Hkv,Skv,D) -> (B,Hq,Sq,D).
+    sliding-window layer (exact, see ``hf_sparse_attn.ops.band``). q (B,Hq,Sq,D), k/v (B,Hkv,Skv,D) -> (B,Hq,Sq,D).
 
     A windowed prefill records ``layer.stats["window"] = (Sq, Skv, W)`` (shown by ``PatchHandle.stats`` as
     ``windowed`` with its ``band_density``)."""
@@ -149,7 +150,7 @@ def run_method(
 
 
 def _sink_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer, sinks):
-    """The method-call signature over :func:`~hf_sparse_attn.sinks.sink_attention` (exact dense with sinks)."""
+    """The method-call signature over :func:`~hf_sparse_attn.ops.sinks.sink_attention` (exact dense with sinks)."""
     return sink_attention(
         q, k, v, mask, sinks=sinks, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window
     )

@@ -38,6 +38,14 @@ from typing import Any
 
 import torch
 
+from hf_sparse_attn.testing.tiny_configs import (
+    TINY_ALIASES,
+    TINY_MODEL_TYPES,
+    tiny_config,
+    tiny_model,
+    transformers_attr,
+)
+
 __all__ = [
     "TINY_MODEL_TYPES",
     "TINY_ALIASES",
@@ -95,243 +103,6 @@ _EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
         "rope_theta": {"full_attention": 1000000.0, "sliding_attention": 10000.0},
     },
 }
-
-# --------------------------------------------------------------------------------------------------
-# Tiny random-weight models
-# --------------------------------------------------------------------------------------------------
-
-#: model_type strings covered by ``tiny_config`` / ``tiny_model`` ("gemma3" is the VLM).
-TINY_MODEL_TYPES: list[str] = [
-    "llama",
-    "gemma2",
-    "gemma3_text",
-    "gemma3",
-    "gemma4_text",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "qwen3_5_text",
-    "qwen3_5_moe_text",
-    "qwen3_next",
-]
-
-#: ``load`` alias -> model_type of the tiny model it builds.
-TINY_ALIASES: dict[str, str] = {
-    "tiny-llama": "llama",
-    "tiny-gemma2": "gemma2",
-    "tiny-gemma3": "gemma3_text",
-    "tiny-gemma3-vlm": "gemma3",
-    "tiny-gemma4": "gemma4_text",
-    "tiny-qwen2": "qwen2",
-    "tiny-qwen2-moe": "qwen2_moe",
-    "tiny-qwen3": "qwen3",
-    "tiny-qwen3-moe": "qwen3_moe",
-    "tiny-qwen3_5": "qwen3_5_text",
-    "tiny-qwen3_5-moe": "qwen3_5_moe_text",
-    "tiny-qwen3-next": "qwen3_next",
-}
-
-# model_type -> (config class, model class), resolved lazily from the transformers namespace.
-_TINY_CLASSES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
-    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
-}
-
-_TINY_VOCAB = 128
-# Shared by every tiny text config: 4 query heads / 2 KV heads of dim 16 (GQA 2:1).
-_TINY_BASE: dict[str, Any] = {
-    "vocab_size": _TINY_VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
-    "pad_token_id": 0,
-}
-_TINY_HEAD_DIM = 16
-# Gated-DeltaNet (linear attention) layers of the Qwen 3.5 / Qwen3-Next hybrids.
-_TINY_LINEAR: dict[str, Any] = {
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_conv_kernel_dim": 4,
-}
-_TINY_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-_HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-
-
-def _transformers_attr(name: str) -> Any:
-    import transformers
-
-    return getattr(transformers, name)
-
-
-def _tiny_text_kwargs(model_type: str) -> dict[str, Any]:
-    base = dict(_TINY_BASE)
-    if model_type == "llama":
-        return {**base, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "gemma2":
-        return {
-            **base,
-            "head_dim": _TINY_HEAD_DIM,
-            "query_pre_attn_scalar": _TINY_HEAD_DIM,
-            "attn_logit_softcapping": 5.0,
-            "final_logit_softcapping": 30.0,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-        }
-    if model_type in ("gemma3_text", "gemma3"):
-        return {
-            **base,
-            "head_dim": _TINY_HEAD_DIM,
-            "query_pre_attn_scalar": _TINY_HEAD_DIM,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-        }
-    if model_type == "gemma4_text":
-        # Layers 0-1 compute K/V, layers 2-3 reuse them (num_kv_shared_layers=2). Full-attention layers
-        # have their own head_dim (global_head_dim=32 vs 16) and one K=V head (attention_k_eq_v).
-        return {
-            **base,
-            "num_hidden_layers": 4,
-            "head_dim": _TINY_HEAD_DIM,
-            "global_head_dim": 2 * _TINY_HEAD_DIM,
-            "num_global_key_value_heads": 1,
-            "attention_k_eq_v": True,
-            "num_kv_shared_layers": 2,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "vocab_size_per_layer_input": _TINY_VOCAB,
-            "hidden_size_per_layer_input": 8,
-        }
-    if model_type == "qwen2":
-        # Qwen2 slides on layers with index >= max_window_layers: layer 0 full, layer 1 sliding.
-        return {
-            **base,
-            "use_sliding_window": True,
-            "sliding_window": 4,
-            "max_window_layers": 1,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    if model_type == "qwen2_moe":
-        return {
-            **base,
-            **_TINY_MOE,
-            "shared_expert_intermediate_size": 32,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    if model_type == "qwen3":
-        return {**base, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "qwen3_moe":
-        return {**base, **_TINY_MOE, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "qwen3_5_text":
-        return {
-            **base,
-            **_TINY_LINEAR,
-            "num_hidden_layers": 4,
-            "head_dim": _TINY_HEAD_DIM,
-            "layer_types": list(_HYBRID_LAYERS),
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    if model_type in ("qwen3_5_moe_text", "qwen3_next"):
-        return {
-            **base,
-            **_TINY_LINEAR,
-            **_TINY_MOE,
-            "shared_expert_intermediate_size": 32,
-            "num_hidden_layers": 4,
-            "head_dim": _TINY_HEAD_DIM,
-            "layer_types": list(_HYBRID_LAYERS),
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    raise ValueError(f"no tiny config for model_type {model_type!r}; known: {TINY_MODEL_TYPES}")
-
-
-def tiny_config(model_type: str):
-    """A tiny ``PretrainedConfig`` for ``model_type`` (one of ``TINY_MODEL_TYPES``, or of the architecture matrix's
-    ``hf_sparse_attn.tiny_configs.TINY_ZOO``).
-
-    Text part: hidden 64, 4 query / 2 KV heads of head_dim 16, vocab 128, 2 layers (4 for Gemma 4 and
-    the Qwen 3.5 / Qwen3-Next hybrids, whose 4th layer is the only softmax-attention layer).
-    ``"gemma3"`` is the vision-language ``Gemma3Config`` (tiny SigLIP tower: 32x32 images, 8x8 patches,
-    4 image tokens per image; image token id 127, begin/end-of-image ids 125/126).
-    """
-    from .tiny_configs import TINY_ZOO, tiny_zoo_config
-
-    if model_type in TINY_ZOO:
-        return tiny_zoo_config(model_type)
-    if model_type not in _TINY_CLASSES:
-        known = TINY_MODEL_TYPES + sorted(TINY_ZOO)
-        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {known}")
-    config_cls = _transformers_attr(_TINY_CLASSES[model_type][0])
-    if model_type == "gemma3":
-        text_cls = _transformers_attr("Gemma3TextConfig")
-        vision_cls = _transformers_attr("SiglipVisionConfig")
-        text = text_cls(**_tiny_text_kwargs("gemma3_text"))
-        vision = vision_cls(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-        )
-        return config_cls(
-            text_config=text,
-            vision_config=vision,
-            mm_tokens_per_image=4,
-            boi_token_index=_TINY_VOCAB - 3,
-            eoi_token_index=_TINY_VOCAB - 2,
-            image_token_index=_TINY_VOCAB - 1,
-        )
-    return config_cls(**_tiny_text_kwargs(model_type))
-
-
-def tiny_model(model_type: str, seed: int = 0, attn_implementation: str | None = "eager"):
-    """A tiny random-weight model of ``model_type`` in float32, eval mode, CPU.
-
-    Weights are a deterministic function of ``seed`` (the global torch RNG is forked, so the caller's
-    random state is left as it was): transformers' own init, then every parameter tensor that init left
-    all-zero (biases, Gemma ``(1 + w)`` norm weights, the Gemma 3 image projection) is drawn from
-    ``N(0, initializer_range)`` so that it matters. ``attn_implementation=None`` keeps transformers'
-    default (``sdpa``; ``eager`` for Gemma 2).
-    """
-    from .tiny_configs import model_class_name
-
-    config = tiny_config(model_type)
-    model_cls = _transformers_attr(model_class_name(model_type))
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls._from_config(config, **kwargs)
-        # transformers zero-initializes biases, Gemma-style (1 + w) norm weights and the Gemma 3 image
-        # projection (which would cut the vision tower off the logits). Re-draw every all-zero tensor so
-        # that each parameter influences the output, as in a trained checkpoint.
-        std = float(getattr(config.get_text_config(), "initializer_range", 0.02))
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.is_floating_point() and not bool(param.any()):
-                    param.normal_(0.0, std)
-    return model.eval()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,7 +195,7 @@ def _convert_gemma3(out: Path, work: Path) -> None:
 
 def _qwen2_config_from_llama(llama_config):
     """Qwen2 config computing exactly what the given Llama config computes."""
-    qwen2_config_cls = _transformers_attr("Qwen2Config")
+    qwen2_config_cls = transformers_attr("Qwen2Config")
     c = llama_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if head_dim * c.num_attention_heads != c.hidden_size:
@@ -458,7 +229,7 @@ def _convert_qwen2_smollm2(out: Path, work: Path) -> None:
 
     src = _ensure_cached("smollm2")
     llama = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, local_files_only=True)
-    qwen2_cls = _transformers_attr("Qwen2ForCausalLM")
+    qwen2_cls = transformers_attr("Qwen2ForCausalLM")
     qwen = qwen2_cls._from_config(_qwen2_config_from_llama(llama.config), dtype=torch.float32)
     state = dict(llama.state_dict())
     for i, layer in enumerate(qwen.model.layers):

@@ -1,5 +1,5 @@
 """The generic patcher and the per-family quirks: unknown decoders, refusals with reasons, bad input, learned sinks,
-chunked attention, multi-head latent attention, hybrid coverage, and the generated README table."""
+chunked attention, multi-head latent attention, hybrid coverage, and the generated table of docs/architectures.md."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from hf_sparse_attn import patch_model, supported_model_types
-from hf_sparse_attn.masks import ChunkedCausal
-from hf_sparse_attn.methods.base import _LOGGED
-from hf_sparse_attn.methods.dense import dense_attention
+from hf_sparse_attn.core.log import _LOGGED
+from hf_sparse_attn.core.masks import ChunkedCausal
 from hf_sparse_attn.models import tiny_model as _tiny_model
-from hf_sparse_attn.patches import get_patcher, markdown_table
-from hf_sparse_attn.patches.__main__ import BEGIN, END, replace_table
-from hf_sparse_attn.sinks import sink_attention
-from hf_sparse_attn.tiny_configs import BASE, missing_classes
-from hf_sparse_attn.windowed import chunk_spans
+from hf_sparse_attn.ops.band import chunk_spans
+from hf_sparse_attn.ops.dense import dense_attention
+from hf_sparse_attn.ops.sinks import sink_attention
+from hf_sparse_attn.patches import get_patcher
+from hf_sparse_attn.testing.tiny_configs import BASE, missing_classes
+from hf_sparse_attn.tools.architectures import BEGIN, END, markdown_table, replace_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def test_sink_attention_equals_the_eager_formula_with_gradients():
     k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True)
     sinks = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
-    from hf_sparse_attn.masks import causal_bool_mask
+    from hf_sparse_attn.core.masks import causal_bool_mask
 
     keep = causal_bool_mask(6, 9, 4)
     out = sink_attention(q, k, v, None, sinks=sinks, scale=0.3, sliding_window=4)
@@ -240,17 +240,17 @@ def test_hybrids_patch_attention_layers_only(model_type, coverage):
 
 
 # ------------------------------------------------------------------------------------------------
-# the README table
+# the generated table of docs/architectures.md
 # ------------------------------------------------------------------------------------------------
 
 
-def test_readme_table_is_generated_from_the_registry():
+def test_architectures_table_is_generated_from_the_registry():
     table = markdown_table()
     for model_type in supported_model_types():
         assert f"| `{model_type}` |" in table
-    readme = (ROOT / "README.md").read_text()
-    assert BEGIN in readme and END in readme
-    assert replace_table(readme, table) == readme, "run: python -m hf_sparse_attn.patches --write README.md"
+    doc = (ROOT / "docs" / "architectures.md").read_text()
+    assert BEGIN in doc and END in doc
+    assert replace_table(doc, table) == doc, "run: python -m hf_sparse_attn.tools.architectures"
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_sparse_attn import bench
+from hf_sparse_attn.tools import bench
 
 
 def test_parse_method_options():

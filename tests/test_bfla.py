@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from hf_sparse_attn import patch_model
+from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.functional import sparse_attention
-from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import bfla, get_method
 from hf_sparse_attn.methods.base import LayerState
-from hf_sparse_attn.methods.dense import dense_attention
+from hf_sparse_attn.ops.dense import dense_attention
 
 BS = 16
 
@@ -201,7 +201,7 @@ def test_sparse_equals_dense_with_tile_mask_forward_and_grads(case):
 def test_inference_fast_path_equals_dense_with_tile_mask(case, min_run, monkeypatch):
     """Without autograd (batch 1) the split path (mask-free SDPA over runs of kept blocks as views and the other
     blocks gathered, an explicit diagonal, merged by LSE) runs."""
-    from hf_sparse_attn.methods.bfla import attend_cpu
+    from hf_sparse_attn.ops.block_sparse import cpu as attend_cpu
 
     monkeypatch.setattr(attend_cpu, "MIN_RUN_BLOCKS", min_run)
     b, hq, hkv, sq, skv, softcap, window, dtype = case
@@ -506,8 +506,8 @@ def test_flex_backend_trains_through_the_gather_path_on_cpu():
 def test_shape_masks_are_built_once_and_usable_after_inference_mode():
     """block_valid / the rescue mask are memoized per shape (each layer of a prefill reuses them), equal a fresh
     build, and are normal tensors even when first built under inference_mode (training can use them later)."""
-    from hf_sparse_attn.methods.bfla.select import _rescue_static
-    from hf_sparse_attn.tiles import _block_valid
+    from hf_sparse_attn.ops.bfla_plan.select import _rescue_static
+    from hf_sparse_attn.ops.block_sparse.tiles import _block_valid
 
     _block_valid.cache_clear()
     with torch.inference_mode():
@@ -565,7 +565,7 @@ def test_batched_pass_equals_one_block_per_call_bit_for_bit(b, sq, skv, fv, wind
     tiles, partial tiles of the same classes: causal diagonal, window edge, left padding) as one batched flash call
     each for the full and the partial tiles (``_attend_batch``): bit for bit what one block per call gives
     (``BATCH_BLOCKS = 1``), the reference within fp32 rounding, in fewer flash calls."""
-    from hf_sparse_attn.methods.bfla import attend_cpu
+    from hf_sparse_attn.ops.block_sparse import cpu as attend_cpu
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     calls = []
@@ -604,16 +604,16 @@ def test_fused_cpu_estimate_equals_reference(b, hq, hkv, sq, skv, d, bs, r):
     blocks, the chunk's own keys under an additive causal mask, merged by log-sum-exp) equals the explicit softmax
     reference within fp32 rounding, with any number of worker threads: GQA, offsets not on a block boundary,
     ``D`` smaller than the number of blocks, partial last blocks, batch 2."""
-    from hf_sparse_attn.methods.bfla.estimate import _estimate_rows_fused
+    from hf_sparse_attn.ops.bfla_plan.estimate import _estimate_rows_fused, estimate_rows
 
     q, k, _ = _qkv(b=b, hq=hq, hkv=hkv, sq=sq, skv=skv, d=d, seed=3)
     q, k = q * 2, k * 2  # peaked rows
-    ref = bfla._estimate_rows(q, k, d**-0.5, None, bs, r, None)
+    ref = estimate_rows(q, k, d**-0.5, None, bs, r, None)
     for workers in (1, 2):
         got = _estimate_rows_fused(q, k, d**-0.5, bs, r, workers)
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
     got16 = _estimate_rows_fused(q.half(), k.half(), d**-0.5, bs, r)
-    torch.testing.assert_close(got16, bfla._estimate_rows(q.half(), k.half(), d**-0.5, None, bs, r, None),
+    torch.testing.assert_close(got16, estimate_rows(q.half(), k.half(), d**-0.5, None, bs, r, None),
                                atol=2e-6, rtol=1e-5)
 
 
@@ -623,11 +623,11 @@ def test_fused_cpu_estimate_with_left_padding_equals_reference(sq, skv, fv):
     """Left padding in the fused CPU estimate: an additive key mask per batch row on the spans it reaches, blind
     rows (padding queries, spans of padding only) left out: the explicit reference within fp32 rounding, with any
     number of workers, a row that is all padding and padding past the first query included."""
-    from hf_sparse_attn.methods.bfla.estimate import _estimate_rows_fused
+    from hf_sparse_attn.ops.bfla_plan.estimate import _estimate_rows_fused, estimate_rows
 
     q, k, _ = _qkv(b=2, hq=4, hkv=2, sq=sq, skv=skv, d=16, seed=4)
     first_valid = torch.tensor(fv)
-    ref = bfla._estimate_rows(q * 2, k * 2, 0.25, None, 32, 4, None, first_valid)
+    ref = estimate_rows(q * 2, k * 2, 0.25, None, 32, 4, None, first_valid)
     for workers in (1, 2):
         got = _estimate_rows_fused(q * 2, k * 2, 0.25, 32, 4, workers, first_valid=first_valid)
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)

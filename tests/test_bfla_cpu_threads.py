@@ -5,8 +5,9 @@ thread / grad settings survive."""
 import pytest
 import torch
 
+from hf_sparse_attn.core.threads import parallel_map
 from hf_sparse_attn.methods import bfla
-from hf_sparse_attn.methods.bfla.cpu_threads import build_plan_parallel, parallel_map
+from hf_sparse_attn.ops.bfla_plan.parallel import build_plan_parallel
 
 BS = 16
 

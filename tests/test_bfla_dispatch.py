@@ -9,7 +9,7 @@ import torch
 from hf_sparse_attn import patch_model
 from hf_sparse_attn.methods import bfla
 from hf_sparse_attn.methods.base import LayerState
-from hf_sparse_attn.methods.dense import dense_attention
+from hf_sparse_attn.ops.dense import dense_attention
 
 BS = 16
 

@@ -1,10 +1,10 @@
-"""bfla stage 1 in Triton (``hf_sparse_attn.kernels.bfla_estimate``) against the PyTorch ``"rows"`` estimator.
+"""bfla stage 1 in Triton (``hf_sparse_attn.ops.bfla_plan.triton_estimate``) against the PyTorch ``"rows"`` estimator.
 
 Same pattern as ``test_bfla_triton.py``: on CUDA the kernel tests run directly (fp32, fp16, bf16); without CUDA
 they run under ``TRITON_INTERPRET=1`` (directly when the variable is set, else in a subprocess), fp32 and fp16 only
 (the interpreter cannot do ``tl.dot`` on bf16, DESIGN.md §5).
 
-Checked: (a) the block masses equal ``_estimate_rows`` (fp32: 1e-5 absolute; fp16/bf16: 2e-5 — the kernel and the
+Checked: (a) the block masses equal ``estimate_rows`` (fp32: 1e-5 absolute; fp16/bf16: 2e-5 — the kernel and the
 reference see the same fp16 values, products are exact in fp32, only the summation order differs); (b) the whole
 plan (``build_plan``: selection at ``keep_mass=0.9``, GQA union, rescues, compaction) from the Triton estimator is
 *equal* to the torch one; (c) the same inputs give the same lists twice; (d) no host sync on the Triton path.
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hf_sparse_attn.methods import bfla
+from hf_sparse_attn.ops.bfla_plan.estimate import estimate_rows
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -80,13 +81,13 @@ def _plan(q, k, case, backend, rescues=False, first_valid=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES)
 def test_estimate_kernel_mass_matches_reference(case, dtype):
-    from hf_sparse_attn.kernels.bfla_estimate import triton_estimate_rows
+    from hf_sparse_attn.ops.bfla_plan.triton_estimate import triton_estimate_rows
 
     b, hq, hkv, sq, skv, d, bs, r, softcap, window = case
     q, k = _inputs(case, dtype)
     got = triton_estimate_rows(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None,
                                block_size=bs, rows_per_block=r)
-    ref = bfla._estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None)
+    ref = estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None)
     assert got.shape == ref.shape and got.dtype == torch.float32
     tol = 1e-5 if dtype == torch.float32 else 2e-5
     torch.testing.assert_close(got, ref, atol=tol, rtol=0)
@@ -129,14 +130,14 @@ PAD_CASES = PAD_SMALL + (PAD_CUDA if ON_CUDA else [])
 def test_estimate_kernel_left_padding_matches_reference(case, pad, dtype):
     """Masses equal the torch estimator with the same padding; the plans (selection only, and with the default
     rescues: sink from the row's first valid key block) are equal; no all-padding tile is kept."""
-    from hf_sparse_attn.kernels.bfla_estimate import triton_estimate_rows
+    from hf_sparse_attn.ops.bfla_plan.triton_estimate import triton_estimate_rows
 
     b, hq, hkv, sq, skv, d, bs, r, softcap, window = case
     q, k = _inputs(case, dtype)
     fv = torch.tensor(pad, device=DEVICE)
     got = triton_estimate_rows(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None,
                                block_size=bs, rows_per_block=r, first_valid=fv)
-    ref = bfla._estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None, fv)
+    ref = estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None, fv)
     torch.testing.assert_close(got, ref, atol=1e-5 if dtype == torch.float32 else 2e-5, rtol=0)
     assert (got[1, :, :, : pad[1] // bs] == 0).all()
     for rescues in (False, True):

@@ -1,5 +1,5 @@
 """bfla keeps dense answers on needles of our own format in a haystack the RULER generator does not make (Python
-standard-library documentation, :mod:`hf_sparse_attn.prose`), on the offline SmolLM2.
+standard-library documentation, :mod:`hf_sparse_attn.testing.prose`), on the offline SmolLM2.
 
 The default suite runs a short prompt (2k tokens, bfla forced on with ``min_seq_len=0``) and the default config at
 4k and 8k; the 6k prompts of the issue's case are ``slow``.

@@ -1,10 +1,10 @@
-"""bfla's two-launch Triton plan (``hf_sparse_attn.kernels.bfla_plan``) against the PyTorch references.
+"""bfla's two-launch Triton plan (``hf_sparse_attn.ops.bfla_plan.triton_plan``) against the PyTorch references.
 
 Same pattern as ``test_bfla_triton.py``: on CUDA the kernel tests run directly; without CUDA they run under
 ``TRITON_INTERPRET=1`` in one subprocess (fp32 and fp16: the interpreter has no bf16 ``tl.dot``).
 
 Checked separately, as the kernels are built:
-(a) ``plan_estimate`` (one pass over K) against ``_estimate_rows`` and ``row_entropy``: within fp32 rounding
+(a) ``plan_estimate`` (one pass over K) against ``estimate_rows`` and ``row_entropy``: within fp32 rounding
     (1e-5 absolute; 2e-5 for fp16 inputs);
 (b) ``plan_select`` against ``select_plan`` given the *same* masses (and the same row entropies): ``torch.equal``
     counts and ids over lengths off the block grid, GQA 1–8, a query offset, left padding, a sliding window, each
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from hf_sparse_attn.methods import bfla
-from hf_sparse_attn.methods.bfla.estimate import _estimate_rows
-from hf_sparse_attn.methods.bfla.select import row_entropy, select_plan
+from hf_sparse_attn.ops.bfla_plan.estimate import estimate_rows
+from hf_sparse_attn.ops.bfla_plan.select import row_entropy, select_plan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -71,7 +71,7 @@ EST_CASES = [
 def poisoned_outputs(monkeypatch):
     """``plan_estimate`` allocates its outputs filled with NaN (``torch.empty`` may hand back zeros), so a test
     sees every entry the kernel fails to write."""
-    from hf_sparse_attn.kernels import bfla_plan
+    from hf_sparse_attn.ops.bfla_plan import triton_plan as bfla_plan
 
     class _Torch:
         def __getattr__(self, name):
@@ -94,7 +94,7 @@ EST_CUDA = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else []), ids=str)
 @pytest.mark.parametrize("case", EST_CASES + (EST_CUDA if ON_CUDA else []))
 def test_plan_kernel_estimate_matches_reference(case, dtype, poisoned_outputs):
-    from hf_sparse_attn.kernels.bfla_plan import plan_estimate
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import plan_estimate
 
     if dtype != torch.float32 and case is not EST_CASES[4] and not ON_CUDA:
         pytest.skip("fp16 under the interpreter: one case (time)")
@@ -103,7 +103,7 @@ def test_plan_kernel_estimate_matches_reference(case, dtype, poisoned_outputs):
     fv = None if pad is None else torch.tensor(pad, device=DEVICE)
     mass, ent = plan_estimate(q, k, scale=d**-0.5, softcap=softcap or None, sliding_window=window or None,
                               block_size=bs, rows_per_block=r, first_valid=fv)
-    ref = _estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None, fv)
+    ref = estimate_rows(q, k, d**-0.5, softcap or None, bs, r, window or None, fv)
     tol = 1e-5 if dtype == torch.float32 else 2e-5
     assert mass.shape == ref.shape and mass.dtype == torch.float32 and ent.shape == ref.shape[:3]
     torch.testing.assert_close(mass, ref, atol=tol, rtol=0)
@@ -120,7 +120,7 @@ def test_plan_kernel_estimate_split_over_keys_is_bit_identical(case, poisoned_ou
     """Split-K (``key_chunk``: each row group's key range over several programs, the last to finish runs the
     epilogue) gives the unsplit masses and entropies bit for bit, for chunks of 1 and 3 key blocks (CUDA: 2 and 8);
     on CUDA this is where the atomic's ordering of the scratch stores is checked."""
-    from hf_sparse_attn.kernels.bfla_plan import plan_estimate
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import plan_estimate
 
     b, hq, hkv, sq, skv, d, bs, r, softcap, window, pad = case
     q, k = _qk(b, hq, hkv, sq, skv, d, bs, torch.bfloat16 if ON_CUDA else torch.float32)
@@ -142,7 +142,7 @@ def test_plan_kernel_walks_what_count_plan_ops_counts(monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    from hf_sparse_attn.kernels import bfla_plan
+    from hf_sparse_attn.ops.bfla_plan import triton_plan as bfla_plan
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "count_plan_ops.py"
     spec = importlib.util.spec_from_file_location("count_plan_ops", path)
@@ -173,7 +173,7 @@ def test_plan_estimate_chunks_cover_every_row_group():
     """``estimate_chunks``: the chunk programs of a row group reach its last visible key block (the kernel asserts
     it, but the interpreter's small cases cannot reach every shape), and a bad ``key_chunk`` is refused by name."""
     pytest.importorskip("triton")
-    from hf_sparse_attn.kernels.bfla_plan import estimate_chunks, estimate_tiles
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import estimate_chunks, estimate_tiles
 
     for bs in (16, 128):
         qbp = estimate_tiles(4, 8, bs, 128)[2]
@@ -198,7 +198,7 @@ def test_plan_estimate_scratch_slabs_hold_every_visible_key_block():
     query-block group p); the interpreter runs programs one after another and cannot see an overlap, so check the
     kernel's arithmetic here: every key block a program visits lies inside its own slab, and the slabs fit."""
     pytest.importorskip("triton")
-    from hf_sparse_attn.kernels.bfla_plan import estimate_tiles
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import estimate_tiles
 
     for bs in (16, 64, 128):
         for sq, skv in ((1, 1), (95, 95), (300, 333), (1000, 1000), (777, 4100), (4096, 4096), (130, 9000)):
@@ -263,13 +263,13 @@ def _select_inputs(case):
     cfg = bfla.BflaConfig(**{**dict(block_size=bs, min_seq_len=0), **over})
     if kind == "est":
         q, k = _qk(b, hq, hkv, sq, skv, 32, bs)
-        mass = _estimate_rows(q, k, 32**-0.5, None, bs, 4, window or None, fv) * rvalid
+        mass = estimate_rows(q, k, 32**-0.5, None, bs, 4, window or None, fv) * rvalid
     elif kind == "ties":
         mass = _tie_mass(b, hq, sq, skv, bs, rvalid)
         mass[0, 0, -1, 0] = float("nan")  # a NaN mass counts as 0 in both paths
     else:
         mass = _flat_mass(b, hq, sq, skv, bs, rvalid)
-    if min(bfla.select._as_tuple(cfg.keep_mass)) >= 1.0:
+    if min(bfla.select.as_tuple(cfg.keep_mass)) >= 1.0:
         mass = None
     return mass, rvalid, cfg, fv
 
@@ -280,7 +280,7 @@ def _select_inputs(case):
 )
 def test_plan_kernel_select_equals_reference(case):
     """Given the same masses (and row entropies), the select kernel's lists are the PyTorch lists exactly."""
-    from hf_sparse_attn.kernels.bfla_plan import plan_select
+    from hf_sparse_attn.ops.bfla_plan.triton_plan import plan_select
 
     b, hq, hkv, sq, skv, bs, window, pad, kind, over = case
     mass, rvalid, cfg, fv = _select_inputs(case)

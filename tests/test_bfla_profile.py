@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hf_sparse_attn import patch_model
-from hf_sparse_attn.calibrate import calibrate, choose
 from hf_sparse_attn.methods import bfla
 from hf_sparse_attn.methods.bfla.profile import config_hash, load_profile, write_profile
 from hf_sparse_attn.models import tiny_model
+from hf_sparse_attn.tools.calibrate import calibrate, choose
 
 BS = 16
 
@@ -150,7 +150,7 @@ def test_profile_errors_are_clear(llama, tmp_path):
 def test_sampled_error_rows_all_rows_equal_the_full_sparse_attention(softcap):
     """The fast calibration error (estimate once, reselect per level, attend on sampled rows) with every row of
     every block sampled is the error of ``bfla_attention`` itself (same plan, same kept tiles)."""
-    from hf_sparse_attn.calibrate import _layer_errors, error_row_sample
+    from hf_sparse_attn.tools.calibrate import _layer_errors, error_row_sample
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, 150, 8, generator=g) for h in (4, 2, 2))

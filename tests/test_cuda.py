@@ -107,7 +107,7 @@ def test_training_grads_on_cuda_match_cpu(model_type, method, config):
 def test_left_padded_sliding_prefill_takes_the_triton_band_on_cuda(monkeypatch):
     """A left-padded batch on tiny Gemma 3: its sliding layers run the bfla kernels over the band with the padding
     (not the CPU chunk path), and the logits of the real tokens equal the unpatched model's."""
-    from hf_sparse_attn import windowed
+    from hf_sparse_attn.ops import band as windowed
 
     model = _model("gemma3_text", torch.float32)
     ids = _ids(n=300, batch=2)

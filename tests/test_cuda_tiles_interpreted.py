@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.interpreter]
 _SCRIPT = r"""
 import importlib.util, sys
 import torch
-import hf_sparse_attn.kernels.bfla_bwd as bwd
-import hf_sparse_attn.kernels.bfla_fwd as fwd
+import hf_sparse_attn.ops.block_sparse.triton_bwd as bwd
+import hf_sparse_attn.ops.block_sparse.triton_fwd as fwd
 
 fwd_tiles, bwd_tiles = fwd.fwd_tiles, bwd.tile_sizes
 fwd.fwd_tiles = lambda g, bs, d, on_cuda, bm=None, bn=None: fwd_tiles(g, bs, d, True, bm, bn)

@@ -13,12 +13,12 @@ from transformers import (
 )
 
 from hf_sparse_attn import patch_model
-from hf_sparse_attn.compat import cache_kwargs
+from hf_sparse_attn.core.compat import cache_kwargs
+from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.functional import sparse_attention
-from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import entmax as E
-from hf_sparse_attn.methods.dense import dense_attention
-from hf_sparse_attn.methods.entmax import dense_cpu, tiles_cpu
+from hf_sparse_attn.ops.dense import dense_attention
+from hf_sparse_attn.ops.entmax import dense_cpu, tiles_cpu
 
 F64 = torch.float64
 
@@ -632,7 +632,7 @@ def test_alpha_schedule_and_set_alpha():
 
 
 def test_variant_configs_validate():
-    from hf_sparse_attn.methods.entmax_variants import ASEntmaxConfig, SSMaxConfig
+    from hf_sparse_attn.methods.entmax.variants import ASEntmaxConfig, SSMaxConfig
 
     with pytest.raises(ValueError, match="gamma"):
         ASEntmaxConfig(gamma=0.0)

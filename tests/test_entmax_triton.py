@@ -21,8 +21,8 @@ _SCRIPT = textwrap.dedent(
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from hf_sparse_attn.kernels import entmax_triton as T
-    from hf_sparse_attn.masks import LeftPadding
+    from hf_sparse_attn.ops.entmax import triton as T
+    from hf_sparse_attn.core.masks import LeftPadding
     from hf_sparse_attn.methods import entmax as E
 
     def run(alpha, hq, hkv, sq, skv, d, softcap, window, fv, dtype, tol=1e-6, pack=False):
@@ -176,7 +176,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
 def test_cuda_custom_op_matches_cpu_path(dtype, alpha):
-    from hf_sparse_attn.masks import LeftPadding
+    from hf_sparse_attn.core.masks import LeftPadding
     from hf_sparse_attn.methods.entmax import entmax_attention
 
     g = torch.Generator().manual_seed(0)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from hf_sparse_attn.core.masks import LeftPadding, causal_bool_mask, to_bool_mask
 from hf_sparse_attn.functional import sparse_attention
-from hf_sparse_attn.masks import LeftPadding, causal_bool_mask, to_bool_mask
-from hf_sparse_attn.methods.dense import dense_attention
+from hf_sparse_attn.ops.dense import dense_attention
 
 
 def _reference(q, k, v, scale, mask=None, softcap=None):
@@ -108,7 +108,7 @@ def test_explicit_banded_chunks_equal_the_full_mask_reference(monkeypatch, sq, s
     """The explicit (softcap / fp64) path under a causal mask runs query chunks over only the keys they see: with
     chunks of 4 rows it equals the full-mask reference (offset Sq < Skv, window, left padding with an all-padding
     row, GQA 4/2), in place without autograd and out of place with it, with equal gradients."""
-    import hf_sparse_attn.methods.dense as dense_mod
+    import hf_sparse_attn.ops.dense as dense_mod
 
     monkeypatch.setattr(dense_mod, "_BAND_CHUNK", 4)
     g = torch.Generator().manual_seed(11)

@@ -7,9 +7,9 @@ from transformers import DynamicCache, StaticCache
 
 import hf_sparse_attn
 from hf_sparse_attn import patch_model, unpatch_model
-from hf_sparse_attn.compat import cache_kwargs
+from hf_sparse_attn.core.compat import cache_kwargs
+from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.integration import ATTN_NAME
-from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.models import TINY_MODEL_TYPES, tiny_model
 
 TOL = 1e-5

@@ -1,5 +1,5 @@
 """The architecture matrix: every type of ``supported_model_types()`` (plus the Gemma 3 VLM), from a tiny random
-config in fp32 (``hf_sparse_attn.tiny_configs`` / ``hf_sparse_attn.models``):
+config in fp32 (``hf_sparse_attn.testing.tiny_configs`` / ``hf_sparse_attn.models``):
 
 * ``dense`` through the plugin equals the model's eager attention within 1e-5: unpadded, left-padded, chunked
   prefill (two calls on one cache), greedy generate of a left-padded batch (equal tokens), and training loss and
@@ -23,10 +23,10 @@ from packaging.version import Version
 
 from hf_sparse_attn import patch_model, supported_model_types
 from hf_sparse_attn.api import SINK_METHODS
-from hf_sparse_attn.compat import cache_kwargs
+from hf_sparse_attn.core.compat import cache_kwargs
 from hf_sparse_attn.models import tiny_model
 from hf_sparse_attn.patches import get_patcher, has_sinks
-from hf_sparse_attn.tiny_configs import matrix_model_types, missing_classes
+from hf_sparse_attn.testing.tiny_configs import matrix_model_types, missing_classes
 
 TOL = 1e-5
 LENGTH = 12

@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_sparse_attn import list_methods
-from hf_sparse_attn.cpu_threads import single_threaded_ops
+from hf_sparse_attn.core.threads import single_threaded_ops
 from hf_sparse_attn.functional import sparse_attention
 
 S = 4096

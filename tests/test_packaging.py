@@ -27,7 +27,7 @@ def test_import_from_the_repository_root():
     """``python -c`` / ``python -m`` in the checkout put its root first on sys.path: no folder there may shadow a
     module transformers imports (transformers >= 5.25 imports the Hub's ``kernels`` package with modeling_utils,
     which a top-level ``kernels/`` folder hid: ``import hf_sparse_attn`` raised ImportError)."""
-    code = "import hf_sparse_attn, hf_sparse_attn.kernels, transformers.modeling_utils; print('ok')"
+    code = "import hf_sparse_attn, hf_sparse_attn.ops.block_sparse.triton_fwd, transformers.modeling_utils; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert not (ROOT / "kernels").exists(), "a top-level kernels/ folder shadows the package transformers imports"

@@ -1,4 +1,4 @@
-"""The band path of sliding-window layers (``hf_sparse_attn.windowed``): exact against the full masked computation
+"""The band path of sliding-window layers (``hf_sparse_attn.ops.band``): exact against the full masked computation
 and against the models' own eager attention, while really visiting only the band."""
 
 import os
@@ -10,13 +10,13 @@ import torch
 from transformers import DynamicCache
 
 from hf_sparse_attn import integration, patch_model, windowed
-from hf_sparse_attn.compat import cache_kwargs
+from hf_sparse_attn.core.compat import cache_kwargs
+from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.integration import run_method
-from hf_sparse_attn.masks import LeftPadding
 from hf_sparse_attn.methods import get_method
-from hf_sparse_attn.methods.dense import dense_attention
 from hf_sparse_attn.methods.entmax import entmax_attention
 from hf_sparse_attn.models import tiny_model
+from hf_sparse_attn.ops.dense import dense_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -119,7 +119,7 @@ def test_band_plan_lists_the_band_tiles_and_band_density():
 
 
 def test_bool_mask_runs_full_path_and_logs(caplog, monkeypatch):
-    from hf_sparse_attn.masks import causal_bool_mask
+    from hf_sparse_attn.core.masks import causal_bool_mask
     from hf_sparse_attn.methods import base
 
     monkeypatch.setattr(base, "_LOGGED", set())
@@ -219,8 +219,8 @@ needs_kernel = pytest.mark.skipif(
     ],
 )
 def test_band_kernel_matches_dense(b, hq, hkv, sq, skv, window, softcap, pad, dtype):
-    from hf_sparse_attn.kernels.bfla_bwd import triton_bwd
-    from hf_sparse_attn.kernels.bfla_fwd import triton_fwd
+    from hf_sparse_attn.ops.block_sparse.triton_bwd import triton_bwd
+    from hf_sparse_attn.ops.block_sparse.triton_fwd import triton_fwd
 
     device = "cuda" if ON_CUDA else "cpu"
     g = torch.Generator().manual_seed(sq)

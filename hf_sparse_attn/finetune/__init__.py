@@ -63,7 +63,7 @@ Training: AdamW (method parameters in their own group, ``--method-lr``, no weigh
 optimizer step (gradient sync only on the last one), gradient clipping, ``--gradient-checkpointing`` (non
 re-entrant; the attention methods are deterministic, so the recomputation equals the forward).
 Entmax: ``--alpha-anneal-steps N`` moves α linearly from 1.01 to the method's target (``alpha``, 1.5 by
-default) over the first N optimizer steps (``entmax.alpha_schedule`` + ``entmax.set_alpha``), so a
+default) over the first N optimizer steps (``entmax.alpha_schedule`` + ``hf_sparse_attn.api.set_alpha``), so a
 softmax-pretrained model is converted gradually instead of having its attention truncated at once.
 ``--learn-alpha`` learns one α per head (``learn_alpha=True``); combined with annealing, the schedule sets every
 head's α during the N annealing steps and training moves them freely afterwards. Other learnable parameters
@@ -95,12 +95,12 @@ reloaded model gives the end-of-training logits.
 
 from __future__ import annotations
 
-from .data import Chunk, build_data, random_retrieval_samples
-from .evaluation import evaluate
-from .io import CONFIG_FILE, METHOD_DIR, METRICS_FILE, load_finetuned
-from .loop import FinetuneResult, main, run
-from .options import ALPHA_START, build_parser, parse_method_config
-from .params import PARAMS_MARKER, enable_checkpointing
+from hf_sparse_attn.finetune.data import Chunk, build_data, random_retrieval_samples
+from hf_sparse_attn.finetune.evaluation import evaluate
+from hf_sparse_attn.finetune.io import CONFIG_FILE, METHOD_DIR, METRICS_FILE, load_finetuned
+from hf_sparse_attn.finetune.loop import FinetuneResult, main, run
+from hf_sparse_attn.finetune.options import ALPHA_START, build_parser, parse_method_config
+from hf_sparse_attn.finetune.params import PARAMS_MARKER, enable_checkpointing
 
 __all__ = [
     "ALPHA_START",

@@ -1,6 +1,6 @@
 """``python -m hf_sparse_attn.finetune ...`` (same as ``hf-sparse-attn finetune ...``)."""
 
-from .loop import main
+from hf_sparse_attn.finetune.loop import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, Chunk, stack
+from hf_sparse_attn.finetune.data import IGNORE_INDEX, Chunk, stack
 
 __all__ = ["evaluate"]
 

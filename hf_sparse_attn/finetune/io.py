@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .params import PARAMS_MARKER, checksums, is_method_param
+from hf_sparse_attn.finetune.params import PARAMS_MARKER, checksums, is_method_param
 
 __all__ = ["CONFIG_FILE", "METHOD_DIR", "METRICS_FILE", "load_finetuned", "save_model", "write_run_files"]
 
@@ -39,7 +39,7 @@ def _save_method_params(accelerator, model, handle, full_state: dict[str, torch.
     handle.save(path)
     if accelerator.distributed_type != DistributedType.FSDP:
         return
-    from ..integration import STATE_ATTR
+    from hf_sparse_attn.integration import STATE_ATTR
 
     gathered = {}
     for name, module in accelerator.unwrap_model(model).named_modules():
@@ -76,8 +76,8 @@ def load_finetuned(output_dir: str | os.PathLike, dtype: torch.dtype | None = No
     Full fine-tuning: the saved weights; ``--lora``: the base model + the saved adapter (``PeftModel``). Then
     ``patch_model(..., from_pretrained=output_dir / "hf_sparse_attn")`` with the saved method config.
     """
-    from .. import models
-    from ..api import patch_model
+    from hf_sparse_attn import models
+    from hf_sparse_attn.api import patch_model
 
     out = Path(output_dir)
     cfg = json.loads((out / CONFIG_FILE).read_text())

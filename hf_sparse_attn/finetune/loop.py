@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from ..distributed import cpu_only_multiprocess
-from .data import Chunk, batch_indices, build_datasets, stack
-from .evaluation import evaluate
-from .io import save_model, write_run_files
-from .options import build_parser, parse_method_config, validate
-from .params import (
+from hf_sparse_attn.core.distributed import cpu_only_multiprocess
+from hf_sparse_attn.finetune.data import Chunk, batch_indices, build_datasets, stack
+from hf_sparse_attn.finetune.evaluation import evaluate
+from hf_sparse_attn.finetune.io import save_model, write_run_files
+from hf_sparse_attn.finetune.options import build_parser, parse_method_config, validate
+from hf_sparse_attn.finetune.params import (
     alpha_summary,
     alpha_values,
     anneal_alpha,
@@ -98,7 +98,7 @@ def _single_process_cpu_launch(accelerator) -> bool:
 
 def _load_model_and_data(s: _Session) -> None:
     """Model and tokenizer on every process, the seeded data, and the dense (unpatched) held-out loss."""
-    from .. import models
+    from hf_sparse_attn import models
 
     args, accelerator = s.args, s.accelerator
     s.model, s.tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype))
@@ -131,7 +131,7 @@ def _patch_and_prepare(s: _Session, method_config: dict[str, Any]) -> None:
     from accelerate.utils import DistributedType
     from transformers import get_scheduler
 
-    from ..api import patch_model
+    from hf_sparse_attn.api import patch_model
 
     args, accelerator = s.args, s.accelerator
     if args.gradient_checkpointing:
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     run(args)
-    from hf_sparse_attn.distributed import end_process_group
+    from hf_sparse_attn.core.distributed import end_process_group
 
     end_process_group()  # multi-process gloo teardown (CI)
     return 0

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .options import ALPHA_START
+from hf_sparse_attn.finetune.options import ALPHA_START
 
 __all__ = [
     "PARAMS_MARKER",
@@ -58,12 +58,13 @@ def freeze_base(model) -> None:
 
 def anneal_alpha(handle, step: int, total: int, target: float) -> float:
     """Set the α of an entmax-patched model for optimizer step ``step`` (0-based) of a ``total``-step linear
-    annealing from ``ALPHA_START`` to ``target`` (``entmax.alpha_schedule`` / ``entmax.set_alpha``: the config's
+    annealing from ``ALPHA_START`` to ``target`` (``entmax.alpha_schedule`` / ``api.set_alpha``: the config's
     α, and every learned per-head α); returns the value set."""
-    from ..methods import entmax
+    from hf_sparse_attn.api import set_alpha
+    from hf_sparse_attn.methods import entmax
 
     alpha = entmax.alpha_schedule(step, total, start=ALPHA_START, end=target)
-    entmax.set_alpha(handle, alpha)
+    set_alpha(handle, alpha)
     return alpha
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from .base import LayerState, Method, MethodConfig
+from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
 
 _BUILTIN = (
     ("dense", "METHOD"),

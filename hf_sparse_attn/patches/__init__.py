@@ -2,8 +2,8 @@
 model (a family file, or the generic rule for an unknown decoder that uses the attention interface).
 
 Adding an architecture: declare its quirks in a family file (or add its ``model_type`` to an existing patcher), list
-the file's patchers in ``_FAMILIES`` below, add a tiny config to ``hf_sparse_attn.tiny_configs`` and regenerate the
-README table (``python -m hf_sparse_attn.patches --write README.md``). The test matrix (``tests/test_matrix.py``)
+the file's patchers in ``_FAMILIES`` below, add a tiny config to ``hf_sparse_attn.testing.tiny_configs`` and regenerate
+docs/architectures.md (``python -m hf_sparse_attn.tools.architectures``). The test matrix (``tests/test_matrix.py``)
 runs every type of :func:`supported_model_types`.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.base import log_once
-from . import cohere, deepseek, gemma, gpt_oss, hybrid, llama, llama4, mistral, qwen
-from .base import GENERIC, QUIRKS, ArchPatcher, calls_attention_interface, passes_kwarg
+from hf_sparse_attn.core.log import log_once
+from hf_sparse_attn.patches import cohere, deepseek, gemma, gpt_oss, hybrid, llama, llama4, mistral, qwen
+from hf_sparse_attn.patches.base import GENERIC, QUIRKS, ArchPatcher, calls_attention_interface, passes_kwarg
 
 _FAMILIES: tuple[ArchPatcher, ...] = (
     llama.PATCHER, llama.LLAMA_LIKE, llama.SMOLLM3, llama.GRANITE,
@@ -103,36 +103,12 @@ def select_patcher(model: torch.nn.Module) -> tuple[ArchPatcher, list[torch.nn.M
     return GENERIC, modules
 
 
-def markdown_table() -> str:
-    """The README table of supported architectures and their quirks (from the registry the test matrix verifies:
-    ``tests/test_matrix.py`` builds a tiny model of every row and checks that this list is what it verified)."""
-    from ..tiny_configs import model_class_name
-
-    rows = [
-        f"{len(supported_model_types())} model types, each verified by `tests/test_matrix.py` on a tiny random model "
-        "(dense = eager within 1e-5 in fp32: unpadded, left-padded, chunked prefill, generate, gradients; bfla with "
-        "every tile kept = dense; entmax prefill + decode; unpatch bit-identical).",
-        "",
-        "| model_type | transformers class (tested) | family | quirks |",
-        "|---|---|---|---|",
-    ]
-    used: list[str] = []
-    for model_type in supported_model_types():
-        patcher = _PATCHERS[model_type]
-        used += [q for q in patcher.quirks if q not in used]
-        quirks = ", ".join(f"`{q}`" for q in patcher.quirks) or "—"
-        rows.append(f"| `{model_type}` | `{model_class_name(model_type)}` | {patcher.family} | {quirks} |")
-    rows += ["", "| quirk | what the plugin does |", "|---|---|"]
-    rows += [f"| `{q}` | {QUIRKS[q]} |" for q in QUIRKS if q in used]
-    return "\n".join(rows) + "\n"
-
-
 __all__ = [
+    "QUIRKS",
     "ArchPatcher",
     "calls_attention_interface",
     "get_patcher",
     "has_sinks",
-    "markdown_table",
     "select_patcher",
     "supported_model_types",
 ]

@@ -19,7 +19,7 @@ RESTRICTED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 #: Quirk names used by family files and the README table (``python -m hf_sparse_attn.patches --markdown``).
 QUIRKS: dict[str, str] = {
-    "sliding": "sliding-window layers (where configured): exact, over the band only (`hf_sparse_attn.windowed`)",
+    "sliding": "sliding-window layers (where configured): exact, over the band only (`hf_sparse_attn.ops.band`)",
     "chunked": "chunked-attention layers: exact, chunk by chunk (left-padded batches: the masked full path)",
     "softcap": "attention logit softcap (in forward, estimator and backward)",
     "sinks": "learned attention sinks `s_aux` (dense exact; bfla runs these layers dense; entmax refused)",

@@ -2,6 +2,6 @@
 (128), and the scaling includes the YaRN ``mscale``. The attention function zero-pads v to the q/k head_dim (exact:
 the weights do not depend on v) and slices the output, logged once."""
 
-from .base import ArchPatcher
+from hf_sparse_attn.patches.base import ArchPatcher
 
 PATCHER = ArchPatcher(family="deepseek", model_types=("deepseek_v3",), quirks=("mla", "scaling", "moe"))

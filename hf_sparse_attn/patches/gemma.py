@@ -7,7 +7,7 @@ always the ``scaling`` argument), Gemma 4 per-layer head_dim / KV heads and KV-s
 sliding layers stay exact. VLMs are patched through ``text_config`` so vision towers keep their implementation.
 """
 
-from .base import ArchPatcher
+from hf_sparse_attn.patches.base import ArchPatcher
 
 GEMMA = ArchPatcher(family="gemma", model_types=("gemma",))
 GEMMA2 = ArchPatcher(

@@ -3,7 +3,7 @@ interface are patched (the Mamba, Gated-DeltaNet and short-convolution layers ne
 reports the share of decoder layers that run softmax attention. Falcon-H1 runs attention and Mamba in parallel in
 every layer; Zamba 2 shares one attention block between its ``hybrid`` layers."""
 
-from .base import ArchPatcher
+from hf_sparse_attn.patches.base import ArchPatcher
 
 PARALLEL = ArchPatcher(family="hybrid", model_types=("falcon_h1",), quirks=("hybrid",))
 INTERLEAVED = ArchPatcher(

@@ -1,7 +1,7 @@
 """Llama 2/3.x and the decoders built like it: full causal attention on every layer, GQA; nothing to special-case
 beyond a note on quirks the attention module handles itself (SmolLM 3 layers without RoPE, Granite's scaling)."""
 
-from .base import ArchPatcher
+from hf_sparse_attn.patches.base import ArchPatcher
 
 PATCHER = ArchPatcher(family="llama", model_types=("llama",), attention_classes=("LlamaAttention",))
 

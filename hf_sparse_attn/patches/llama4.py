@@ -2,6 +2,6 @@
 by transformers' chunked mask) that are also the RoPE layers, full-attention layers without RoPE (with attention
 temperature tuning applied to the queries inside the module), MoE. Chunked layers stay exact (chunk by chunk)."""
 
-from .base import ArchPatcher
+from hf_sparse_attn.patches.base import ArchPatcher
 
 PATCHER = ArchPatcher(family="llama4", model_types=("llama4_text",), quirks=("chunked", "no_rope", "moe"))

@@ -5,7 +5,7 @@ Gated-DeltaNet layers are untouched, and ``PatchHandle.stats()["coverage"]`` rep
 Qwen 2/3 with ``use_sliding_window`` have sliding layers, which stay exact.
 """
 
-from .base import ArchPatcher
+from hf_sparse_attn.patches.base import ArchPatcher
 
 QWEN = ArchPatcher(
     family="qwen",

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..base import MethodConfig, check_choice, check_range, triton_available
+from hf_sparse_attn.core.checks import check_choice, check_range
+from hf_sparse_attn.methods.base import MethodConfig
 
 ESTIMATORS = ("rows", "pooled", "antidiag")
 BACKENDS = ("auto", "torch", "triton", "flex")
@@ -201,12 +202,3 @@ def lists_per_query_head(hq: int, hkv: int, config: BflaConfig) -> bool:
     if hq == hkv or config.head_lists == "group":
         return False
     return config.head_lists == "head" or hkv == 1
-
-
-def use_triton(q: torch.Tensor, config: BflaConfig) -> bool:
-    """Whether this call runs the Triton kernels: ``backend="triton"``, or ``"auto"`` on CUDA with Triton."""
-    if config.backend in ("torch", "flex"):
-        return False
-    if config.backend == "triton":
-        return True
-    return q.is_cuda and triton_available()

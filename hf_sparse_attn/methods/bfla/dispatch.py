@@ -7,16 +7,24 @@ from typing import Any
 
 import torch
 
-from ...masks import LeftPadding
-from ...tiles import BflaPlan, plan_density, valid_rows
-from ..base import TRITON_HEAD_DIMS, LayerState, Method, log_once
-from ..dense import METHOD as DENSE
-from .attend_cpu import sparse_attention_cpu
-from .attend_flex import _flex_unsupported, sparse_attention_flex
-from .config import BflaConfig, default_note, dense_density, lists_per_query_head, min_seq_len, use_triton
-from .cpu_threads import build_plan_parallel
-from .estimate import fused_rows_ok
-from .select import build_plan
+from hf_sparse_attn.core.log import log_once
+from hf_sparse_attn.core.masks import LeftPadding
+from hf_sparse_attn.methods.base import LayerState, Method
+from hf_sparse_attn.methods.bfla.config import (
+    BflaConfig,
+    default_note,
+    dense_density,
+    lists_per_query_head,
+    min_seq_len,
+)
+from hf_sparse_attn.methods.dense import METHOD as DENSE
+from hf_sparse_attn.ops.bfla_plan.estimate import fused_rows_ok
+from hf_sparse_attn.ops.bfla_plan.parallel import build_plan_parallel
+from hf_sparse_attn.ops.bfla_plan.select import build_plan
+from hf_sparse_attn.ops.block_sparse.cpu import sparse_attention_cpu
+from hf_sparse_attn.ops.block_sparse.flex import _flex_unsupported, sparse_attention_flex
+from hf_sparse_attn.ops.block_sparse.tiles import BflaPlan, plan_density, valid_rows
+from hf_sparse_attn.ops.triton_support import TRITON_HEAD_DIMS, use_triton
 
 
 def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None, str | None]:
@@ -102,7 +110,7 @@ def attend(
     if config.backend == "flex" and flex_problem is None:
         return sparse_attention_flex(q, k, v, plan, scale=scale)
     if use_triton(q, config):
-        from ...kernels.bfla_fwd import bfla_sparse_attention
+        from hf_sparse_attn.ops.block_sparse.op import bfla_sparse_attention
 
         return bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
     return sparse_attention_cpu(q, k, v, plan, scale=scale, softcap=softcap, sliding_window=sliding_window)
@@ -193,7 +201,7 @@ def init_layer(module: torch.nn.Module, state: LayerState) -> None:
     config = state.config
     if config.profile is None or not state.sparse_eligible:
         return
-    from .profile import layer_keep_mass, load_profile
+    from hf_sparse_attn.methods.bfla.profile import layer_keep_mass, load_profile
 
     path = str(config.profile)
     data = load_profile(path)

@@ -12,17 +12,14 @@ Modules of this package:
 * :mod:`.tiles_cpu` — the tiled PyTorch implementation (64×64 tiles: tile maxima, τ over candidate tiles, a tile
   mask, output and backward over non-zero tiles only);
 * :mod:`.ops` — the custom ops ``torch.ops.hf_sparse_attn.entmax_fwd`` / ``entmax_bwd`` (CPU = tiles_cpu, CUDA =
-  the Triton kernels of ``hf_sparse_attn.kernels.entmax_triton``);
+  the Triton kernels of ``hf_sparse_attn.ops.entmax.triton``);
 * :mod:`.attention` — :func:`entmax_attention` and :func:`entmax_attention_reference`;
 * :mod:`.method` — the ``entmax`` / ``sparsemax`` methods, learned per-head α, α annealing, layer statistics.
 
-Length-scaled variants (``asentmax``, ``ssmax``) live in :mod:`hf_sparse_attn.methods.entmax_variants`.
+Length-scaled variants (``asentmax``, ``ssmax``) live in :mod:`hf_sparse_attn.methods.entmax.variants`.
 """
 
-from ..entmax_variants import ASENTMAX_METHOD, SSMAX_METHOD
-from .attention import _alpha_tensor, entmax_attention, entmax_attention_reference
-from .masks import _op_mask_args, key_counts
-from .method import (
+from hf_sparse_attn.methods.entmax.method import (
     METHOD,
     SPARSEMAX_METHOD,
     AlphaParams,
@@ -33,11 +30,13 @@ from .method import (
     _num_heads,
     alpha_schedule,
     entmax_layer_stats,
-    set_alpha,
 )
-from .ops import entmax_bwd, entmax_fwd
-from .rowwise import ALPHA_MIN_LEARNED, _alpha_mode, entmax, sparsemax
-from .tiles_cpu import TILE, TILE_HIDDEN, TILE_NONZERO, TILE_ZERO, tile_fractions
+from hf_sparse_attn.methods.entmax.variants import ASENTMAX_METHOD, SSMAX_METHOD
+from hf_sparse_attn.ops.entmax.attention import _alpha_tensor, entmax_attention, entmax_attention_reference
+from hf_sparse_attn.ops.entmax.masks import _op_mask_args, key_counts
+from hf_sparse_attn.ops.entmax.naive import ALPHA_MIN_LEARNED, _alpha_mode, entmax, sparsemax
+from hf_sparse_attn.ops.entmax.op import entmax_bwd, entmax_fwd
+from hf_sparse_attn.ops.entmax.tiles_cpu import TILE, TILE_HIDDEN, TILE_NONZERO, TILE_ZERO, tile_fractions
 
 METHODS = (METHOD, SPARSEMAX_METHOD, ASENTMAX_METHOD, SSMAX_METHOD)
 
@@ -67,7 +66,6 @@ __all__ = [
     "entmax_fwd",
     "entmax_layer_stats",
     "key_counts",
-    "set_alpha",
     "sparsemax",
     "tile_fractions",
 ]

@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
-from ..base import LayerState, Method, MethodConfig, check_range
-from .attention import entmax_attention
-from .rowwise import ALPHA_MIN_LEARNED
-from .tiles_cpu import tile_fractions
+from hf_sparse_attn.core.checks import check_range
+from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
+from hf_sparse_attn.ops.entmax.attention import entmax_attention
+from hf_sparse_attn.ops.entmax.naive import ALPHA_MIN_LEARNED
+from hf_sparse_attn.ops.entmax.tiles_cpu import tile_fractions
 
 
 @dataclass
@@ -117,24 +118,6 @@ def alpha_schedule(step: int, total_steps: int, start: float = 1.01, end: float 
     frac = min(max(step / total_steps, 0.0), 1.0)
     return float(start + (end - start) * frac)
 
-
-def set_alpha(model_or_handle, alpha: float) -> None:
-    """Set the current α of a model patched with ``entmax`` (or ``asentmax``): the config's α, or every learned
-    per-head α when ``learn_alpha=True``. Use with :func:`alpha_schedule` in a training loop."""
-    check_range("alpha", alpha, 1.0, 2.0, low_open=True)
-    from ...api import HANDLE_ATTR, PatchHandle, _unwrap
-
-    handle = model_or_handle
-    if not isinstance(handle, PatchHandle):
-        handle = _unwrap(model_or_handle).__dict__.get(HANDLE_ATTR)
-    if handle is None or not handle.active:
-        raise ValueError("set_alpha: the model is not patched")
-    if not hasattr(handle.config, "alpha"):
-        raise ValueError(f"set_alpha: method {handle.method.name!r} has no alpha")
-    handle.config.alpha = float(alpha)
-    for state in handle.layers.values():
-        if isinstance(state.params, AlphaParams):
-            state.params.set_alpha(float(alpha))
 
 
 METHOD = Method(

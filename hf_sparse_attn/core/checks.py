@@ -1,0 +1,22 @@
+"""Argument validation that names the argument, the value and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_range(
+    name: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> None:
+    """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` lies in the stated interval."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name}={value!r} is out of range; allowed: a number in {interval}")
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> None:
+    """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed values: {list(choices)}")
