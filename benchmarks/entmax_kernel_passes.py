@@ -63,7 +63,7 @@ def main() -> None:
 
     n = args.length
     caps = capture(8192, [int(x) for x in args.layers.split(",")])
-    mode = E._alpha_mode(args.alpha)
+    mode = E.alpha_mode(args.alpha)
     print(f"SmolLM2 Q/K/V (essays), {n} tokens, α {args.alpha}, query heads 0-{args.heads - 1} of KV head 0, fp32")
     for layer, (q, k, v, scale) in caps.items():
         q, k, v = q[:, : args.heads, :n].contiguous(), k[:, :1, :n].contiguous(), v[:, :1, :n].contiguous()

@@ -102,8 +102,8 @@ def _equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 def _use_band_chunks(q: torch.Tensor, k: torch.Tensor, mask, causal: bool, sliding_window: int | None) -> bool:
     """Whether a sliding-window call goes through :func:`~hf_sparse_attn.ops.band.windowed_attention`: on CPU, and
     for decode on CUDA. A CUDA prefill (unpadded or left-padded) runs the methods' own band-limited Triton kernels
-    (dense → the bfla kernel over the band's tile lists, entmax → its window-bounded key loop): on an H200 the
-    chunk path is 0.2-0.8× the masked SDPA there (many small launches), the Triton band path 4.7-79×."""
+    (dense → the bfla kernel over the band's tile lists, entmax → its window-bounded key loop): on a GPU the many
+    small launches of the chunk path cost more than the masked SDPA they replace."""
     if sliding_window is None or not causal:
         return False
     if not (mask is None or isinstance(mask, LeftPadding)):

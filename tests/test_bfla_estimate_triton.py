@@ -2,7 +2,7 @@
 
 Same pattern as ``test_bfla_triton.py``: on CUDA the kernel tests run directly (fp32, fp16, bf16); without CUDA
 they run under ``TRITON_INTERPRET=1`` (directly when the variable is set, else in a subprocess), fp32 and fp16 only
-(the interpreter cannot do ``tl.dot`` on bf16, DESIGN.md §5).
+(the interpreter cannot do ``tl.dot`` on bf16).
 
 Checked: (a) the block masses equal ``estimate_rows`` (fp32: 1e-5 absolute; fp16/bf16: 2e-5 — the kernel and the
 reference see the same fp16 values, products are exact in fp32, only the summation order differs); (b) the whole

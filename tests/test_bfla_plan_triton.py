@@ -136,7 +136,7 @@ def test_plan_kernel_estimate_split_over_keys_is_bit_identical(case, poisoned_ou
 @needs_kernel
 @pytest.mark.skipif(ON_CUDA, reason="counts calls of the kernel's helpers: the interpreter runs them as Python")
 def test_plan_kernel_walks_what_count_plan_ops_counts(monkeypatch):
-    """``benchmarks/count_plan_ops.py --work`` (the split-K counts in RESULTS.md) counts what the kernel does: the
+    """``benchmarks/count_plan_ops.py --work`` (the split-K counts of docs/results.md) counts what the kernel does: the
     key sub-tiles it scores (``_masked_scores`` calls) and the programs that have key blocks to walk (each loads its
     sample rows once), whole and split."""
     import importlib.util

@@ -2,7 +2,7 @@
 
 On a CUDA machine the kernel tests run directly (fp32, fp16, bf16). Without CUDA they run in a subprocess with
 ``TRITON_INTERPRET=1`` (the variable must be set before triton is imported, so it cannot be set in this process
-without affecting the other test modules); the interpreter cannot do ``tl.dot`` on bf16 (DESIGN.md §5), so there
+without affecting the other test modules); the interpreter cannot do ``tl.dot`` on bf16, so there
 fp32 and fp16 are tested and bf16 is left to the GPU run (``benchmarks/gpu_check.sh``).
 """
 

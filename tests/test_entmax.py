@@ -286,7 +286,7 @@ def test_fp32_rows_sum_to_one_before_renormalisation(alpha):
         a = torch.full((4,), alpha)
         nv = E.key_counts(None, 1, sq, sq, causal=True, sliding_window=None, device="cpu")
         _out, _tau, norm, _supp, _tiles, diag, _support = torch.ops.hf_sparse_attn.entmax_fwd(
-            q, k, v, a, nv, None, None, 32**-0.5, 0.0, 0, True, E._alpha_mode(alpha), False
+            q, k, v, a, nv, None, None, 32**-0.5, 0.0, 0, True, E.alpha_mode(alpha), False
         )
         assert (norm - 1).abs().max() <= 1e-4 and diag[1] <= 1e-4, (std, float((norm - 1).abs().max()))
 

@@ -1,7 +1,7 @@
 """Triton α-entmax kernels vs the blockwise PyTorch path.
 
 On CPU the kernels run under ``TRITON_INTERPRET=1`` in a subprocess (the variable must be set before triton is
-imported, so the rest of the session is unaffected). The interpreter cannot ``tl.dot`` bfloat16 (DESIGN §5): fp32
+imported, so the rest of the session is unaffected). The interpreter cannot ``tl.dot`` bfloat16: fp32
 and fp16 are tested there, bf16 on a GPU (``test_cuda_*``, skipped without one).
 """
 
@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
         q, k, v = (torch.randn(2, h, s, d, generator=g).to(dtype) for h, s in ((hq, sq), (hkv, skv), (hkv, skv)))
         q = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous query, as HF passes it
         a = torch.tensor(alpha, dtype=torch.float32).reshape(-1).expand(hq).contiguous()
-        mode = 0 if isinstance(alpha, list) else E._alpha_mode(alpha)
+        mode = 0 if isinstance(alpha, list) else E.alpha_mode(alpha)
         first = torch.tensor(fv) if fv is not None else None
         mask = LeftPadding(first, sq, skv) if fv is not None else None
         nv = E.key_counts(mask, 2, sq, skv, causal=True, sliding_window=window or None, device="cpu")

@@ -3,7 +3,7 @@ without a GPU, and fits an H200's shared memory.
 
 The interpreter runs the kernels' arithmetic but not the compiler: what only compiling catches (a module global that
 is not a constexpr, types that differ across branches, a tile too large for shared memory) used to surface on the
-rare GPU session. Here each launch a GPU run would make (``kernel[grid](*args, **constexprs)``) is captured and
+rare GPU run. Here each launch a GPU run would make (``kernel[grid](*args, **constexprs)``) is captured and
 compiled ahead of time for ``GPUTarget("cuda", 90, 32)`` with the specialization Triton's launcher gives its
 arguments (``benchmarks/count_sass.py``: integers equal to 1 become constants, 16-byte alignment is marked); nothing
 runs. ptxas's own report (``-v``) bounds the register spills: the fp32 entmax forward with ``ieee`` products

@@ -1,6 +1,6 @@
 """The mask contract between the registered mask function and the attention function.
 
-The attention function of ``hf_sparse_attn`` receives one of three mask forms (DESIGN.md §3):
+The attention function of ``hf_sparse_attn`` receives one of three mask forms:
 
 * ``None`` — causal **bottom-right aligned** (query ``i`` sits at key index ``Skv - Sq + i``), no padding,
   plus ``sliding_window`` when given (keep key ``j`` iff ``j > i_abs - W``), also when ``Sq == 1``.

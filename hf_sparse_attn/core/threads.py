@@ -4,9 +4,7 @@ pool whose torch ops each run on one thread.
 bfla's CPU inference path is hundreds of small ops per layer (the plan's ~60 ops, one or two SDPA calls per query
 block and KV head). Under torch's OpenMP intra-op pool every one of them is a parallel region that ends in a
 barrier: on an idle machine that costs little, but when another process keeps the cores busy a descheduled
-OpenMP thread stalls every barrier. Measured on the 2-core machine under load (layer 15 of SmolLM2 at 8k): the
-gather pass took 8.5 s with 2 intra-op threads and 0.98 s with 1; the plan 1.0 s vs 0.11 s; dense SDPA (one large
-region) 2.4 s either way. Here the work items run on ``workers`` Python threads instead (torch releases the GIL
+OpenMP thread stalls every barrier. Here the work items run on ``workers`` Python threads instead (torch releases the GIL
 inside its kernels), each op single-threaded: no barrier per op, one join per layer.
 
 Intra-op threads are per OS thread under OpenMP and a thread takes torch's global setting at its first op, so the

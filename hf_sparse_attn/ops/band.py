@@ -1,4 +1,4 @@
-"""Exact sliding-window attention at band cost (DESIGN.md §4.2, the note on sliding-window layers).
+"""Exact sliding-window attention at band cost.
 
 Transformers computes a sliding-window layer as full causal attention under a mask: O(Sq·Skv) work for an
 O(Sq·W) result. With the HF window semantics a query at absolute position ``i`` sees the keys ``i-W < j <= i``,
@@ -13,9 +13,8 @@ chunk's last query), so every chunk is an exact call of the layer's own attentio
   and backward) compute a sliding layer on CUDA visiting only the tiles that intersect the band
   (:func:`band_attention_triton`).
 
-Measured on this 2-core CPU (``python benchmarks/bench_windowed.py op``; 4 query heads, 1 KV head, head_dim 256,
-W = 512, as Gemma 3 270M): masked full SDPA vs band chunks of 128 rows is 5.5× faster at 4k, 11× at 8k, 21× at 16k;
-chunks of 256/512/1024 rows are slower (more masked work per chunk), smaller ones add per-call overhead.
+Chunk rows (:func:`band_rows`) trade masked work per chunk (larger chunks) against per-call overhead (smaller ones);
+``benchmarks/bench_windowed.py`` times them (docs/results.md).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from hf_sparse_attn.core.cache import shape_cached
 from hf_sparse_attn.core.masks import ChunkedCausal, band_spans, slice_mask
 from hf_sparse_attn.ops.block_sparse.tiles import BflaPlan, block_valid, compact
 
-# Query rows per chunk: ``min(MAX_ROWS, max(MIN_ROWS, W))`` (measured, see the module docstring).
+# Query rows per chunk: ``min(MAX_ROWS, max(MIN_ROWS, W))`` (see the module docstring).
 MAX_ROWS = 128
 MIN_ROWS = 8
 

@@ -6,8 +6,8 @@ identically on every machine with the same Python minor version. Several *texts*
 different haystacks. The needle is a sentence of our own format, e.g. ``The passphrase for the staging archive is
 amber-4417.``, placed at a relative depth (paragraph boundary) of a haystack sized with the model's tokenizer.
 
-Used by ``benchmarks/diagnose_bfla_needle.py`` (why bfla loses a needle), ``hf-sparse-attn calibrate`` (calibration
-prompts that are not evaluation samples) and the needle tests.
+Used by ``hf-sparse-attn calibrate`` (calibration prompts that are not evaluation samples), ``hf-sparse-attn bench``
+and the needle tests.
 """
 
 from __future__ import annotations

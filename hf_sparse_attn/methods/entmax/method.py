@@ -50,7 +50,7 @@ class AlphaParams(torch.nn.Module):
             self.pre_alpha.fill_(math.log(frac / (1 - frac)))
 
 
-def _num_heads(module: torch.nn.Module) -> int:
+def num_query_heads(module: torch.nn.Module) -> int:
     for obj, attr in ((module, "num_heads"), (module.config, "num_attention_heads")):
         value = getattr(obj, attr, None)
         if isinstance(value, int):
@@ -58,7 +58,7 @@ def _num_heads(module: torch.nn.Module) -> int:
     raise ValueError(f"cannot find the number of query heads of {type(module).__name__}")
 
 
-def _module_device(module: torch.nn.Module):
+def module_device(module: torch.nn.Module):
     for p in module.parameters():
         return p.device
     return None
@@ -66,7 +66,7 @@ def _module_device(module: torch.nn.Module):
 
 def _entmax_init_layer(module: torch.nn.Module, state: LayerState) -> None:
     if state.config.learn_alpha:
-        state.params = AlphaParams(_num_heads(module), state.config.alpha, _module_device(module))
+        state.params = AlphaParams(num_query_heads(module), state.config.alpha, module_device(module))
 
 
 def _layer_alpha(config: EntmaxConfig, layer: LayerState | None):

@@ -20,7 +20,7 @@ import torch
 
 from hf_sparse_attn.core.checks import check_range
 from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
-from hf_sparse_attn.methods.entmax.method import _module_device, _num_heads, entmax_layer_stats
+from hf_sparse_attn.methods.entmax.method import module_device, num_query_heads, entmax_layer_stats
 from hf_sparse_attn.ops.dense import dense_attention
 from hf_sparse_attn.ops.entmax.attention import entmax_attention
 from hf_sparse_attn.ops.entmax.masks import key_counts
@@ -93,7 +93,7 @@ def _asentmax_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, 
 
 def _asentmax_init_layer(module: torch.nn.Module, state: LayerState) -> None:
     cfg = state.config
-    state.params = ASEntmaxParams(_num_heads(module), cfg.delta_init, cfg.beta_init, cfg.learn, _module_device(module))
+    state.params = ASEntmaxParams(num_query_heads(module), cfg.delta_init, cfg.beta_init, cfg.learn, module_device(module))
 
 
 def _asentmax_stats(state: LayerState) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def _ssmax_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, con
 
 def _ssmax_init_layer(module: torch.nn.Module, state: LayerState) -> None:
     cfg = state.config
-    state.params = SSMaxParams(_num_heads(module), cfg.initial_s(), cfg.learn, _module_device(module))
+    state.params = SSMaxParams(num_query_heads(module), cfg.initial_s(), cfg.learn, module_device(module))
 
 
 def _ssmax_stats(state: LayerState) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from hf_sparse_attn.ops.bfla_plan.triton_estimate import _masked_scores, _pow2, 
 from hf_sparse_attn.ops.block_sparse.triton_fwd import _dot_prec, _first_valid, _key_span
 
 _add = tl.standard._sum_combine  # tl.reduce(x, axis, _add) is tl.sum without the standard-library call (the
-# interpreter patches triton.language on every call of a jit function: ~1 ms each, in loops of 25 iterations)
+# interpreter patches triton.language on every call of a jit function, which dominates its loops)
 
 
 @triton.jit
@@ -377,7 +377,7 @@ def plan_estimate(
     return mass, ent
 
 
-KEY_CHUNK: int | None = None  # plan_estimate's default key_chunk: off until a GPU measures it (benchmarks/RESULTS.md)
+KEY_CHUNK: int | None = None  # plan_estimate's default key_chunk (None: one pass over all keys; see estimate_chunks)
 ESTIMATE_WARPS = 4  # plan_estimate's default num_warps
 
 

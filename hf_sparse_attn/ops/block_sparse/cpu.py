@@ -254,6 +254,81 @@ def _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scal
     return out
 
 
+def _kept_keys(k, v, kb, vb, h: int, idx: torch.Tensor, cnt: torch.Tensor, n: int, bs: int):
+    """K/V of the kept key blocks ``idx (B,n)`` (``cnt (B,)`` of them per batch row) of KV head ``h`` and their
+    absolute positions ``(B, L)``: a slice when every batch row keeps the same contiguous run of ``n`` blocks, else a
+    gather. -> (kk, vv, k_pos, contiguous)."""
+    b, skv, d = k.shape[0], k.shape[2], k.shape[3]
+    first = int(idx[0, 0])
+    contiguous = bool((cnt == n).all()) and bool((idx == first + torch.arange(n)).all())
+    if contiguous:
+        kk = k[:, h : h + 1, first * bs : min((first + n) * bs, skv)]
+        vv = v[:, h : h + 1, first * bs : min((first + n) * bs, skv)]
+        return kk, vv, torch.arange(first * bs, first * bs + kk.shape[2])[None].expand(b, -1), True
+    bidx = torch.arange(b)[:, None]
+    kk = kb[:, h][bidx, idx].reshape(b, 1, n * bs, d)
+    vv = vb[:, h][bidx, idx].reshape(b, 1, n * bs, d)
+    return kk, vv, (idx[..., None] * bs + torch.arange(bs)).reshape(b, n * bs), False
+
+
+def _allowed(q_pos, k_pos, cnt, n: int, bs: int, skv: int, sliding_window, fv, contiguous: bool) -> torch.Tensor:
+    """``(B, rows, L)`` bool: causal, window, left padding, and (gathered lists) the slots a row really kept."""
+    allowed = k_pos[:, None, :] <= q_pos[None, :, None]
+    if sliding_window is not None:
+        allowed &= k_pos[:, None, :] > q_pos[None, :, None] - sliding_window
+    if fv is not None:
+        allowed &= k_pos[:, None, :] >= fv[:, None, None]
+    if not contiguous:
+        slot_ok = (torch.arange(n)[None, :] < cnt[:, None]).repeat_interleave(bs, dim=1)
+        allowed &= (k_pos < skv)[:, None, :] & slot_ok[:, None, :]
+    return allowed
+
+
+def _softmax_attend(qq, kk, vv, allowed: torch.Tensor, scale: float, softcap, rep: int) -> torch.Tensor:
+    """Exact (softcapped) softmax attention of ``qq`` over ``kk``/``vv`` under ``allowed (B, rows, L)``; rows that
+    see no key give zeros."""
+    empty = ~allowed.any(-1)  # (B,rows)
+    has_empty = bool(empty.any())
+    if has_empty:
+        allowed[..., 0] |= empty
+    mask = None if bool(allowed.all()) else allowed[:, None].to(qq.device)
+    if softcap:
+        ct = torch.promote_types(qq.dtype, torch.float32)
+        s = torch.matmul(qq, kk.transpose(-1, -2)).to(ct) * scale
+        s = softcap * torch.tanh(s / softcap)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv)
+    else:
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
+    if has_empty:
+        o = o.masked_fill(empty[:, None, :, None].to(o.device), 0.0)
+    return o
+
+
+def _attend_head_autograd(q, k, v, kb, vb, counts, ids, h: int, bs: int, scale: float, softcap, sliding_window,
+                          fv) -> torch.Tensor:
+    """KV head ``h``'s query heads, one query block at a time over its kept tiles (differentiable)."""
+    sq, skv = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    off = skv - sq
+    pieces = []
+    for i in range(_cdiv(sq, bs)):
+        r0, r1 = i * bs, min(sq, (i + 1) * bs)
+        qq = q[:, h * rep : (h + 1) * rep, r0:r1]
+        cnt = counts[:, h, i]
+        n = int(cnt.max())
+        if n == 0:  # only padding queries (left padding): no key for any row
+            pieces.append(torch.zeros_like(qq))
+            continue
+        idx = ids[:, h, i, :n]  # (B,n)
+        kk, vv, k_pos, contiguous = _kept_keys(k, v, kb, vb, h, idx, cnt, n, bs)
+        q_pos = torch.arange(r0, r1) + off
+        allowed = _allowed(q_pos, k_pos, cnt, n, bs, skv, sliding_window, fv, contiguous)
+        pieces.append(_softmax_attend(qq, kk, vv, allowed, scale, softcap, rep))
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
 def sparse_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -269,16 +344,14 @@ def sparse_attention_cpu(
     Differentiable w.r.t. q, k, v (plain autograd through gather + SDPA / explicit softmax). Without autograd
     (inference) on CPU, a faster path runs (:func:`_attend_batch` over the query blocks of a KV head that share
     their tile pattern, :func:`_attend_split` per block under a softcap or with padding queries; spread over the
-    threads of :mod:`.cpu_threads`: exact, the same result whatever the thread count). Left padding
+    threads of :mod:`hf_sparse_attn.core.threads`: exact, the same result whatever the thread count). Left padding
     (``plan.first_valid``): keys ``j < first_valid[b]`` are masked. Rows that see no key (padding queries, or
     ``local=-1``) give zeros.
     """
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    rep = hq // hkv
+    sq, hkv, skv = q.shape[2], k.shape[1], k.shape[2]
+    rep = q.shape[1] // hkv
     bs = plan.block_size
     nq, nk = _cdiv(sq, bs), _cdiv(skv, bs)
-    off = skv - sq
     counts = plan.counts.cpu()
     ids = plan.ids.cpu().long()
     fv = None if plan.first_valid is None else plan.first_valid.cpu()
@@ -288,74 +361,19 @@ def sparse_attention_cpu(
         kp, vp = k, v
     kb, vb = kp.unflatten(2, (nk, bs)), vp.unflatten(2, (nk, bs))  # (B,Hkv,NK,bs,D)
     need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fast = not need_grad and q.device.type == "cpu"
-    inner = torch.arange(bs)
-    bidx = torch.arange(b)[:, None]
     n_valid = valid_rows(plan.valid, sq, skv, bs, plan.first_valid).sum(-1).to(torch.int32).cpu().view(-1, nq)
+    if not need_grad and q.device.type == "cpu":
+        return _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, skv - sq, scale, softcap,
+                                       sliding_window)
     pad_mask = None if fv is None else LeftPadding(fv, sq, skv)
-    if fast:
-        return _attend_blocks_parallel(q, k, v, kb, vb, counts, ids, n_valid, fv, off, scale, softcap, sliding_window)
     heads = []
     for h in range(hkv):
         if bool((counts[:, h] == n_valid).all()):  # a dense head (flat fallback, keep-all): one exact SDPA call
-            heads.append(
-                dense_attention(
-                    q[:, h * rep : (h + 1) * rep],
-                    k[:, h : h + 1],
-                    v[:, h : h + 1],
-                    pad_mask,
-                    scale=scale,
-                    causal=True,
-                    softcap=softcap,
-                    sliding_window=sliding_window,
-                )
-            )
-            continue
-        pieces = []
-        for i in range(nq):
-            r0, r1 = i * bs, min(sq, (i + 1) * bs)
-            q_pos = torch.arange(r0, r1) + off
-            qq = q[:, h * rep : (h + 1) * rep, r0:r1]
-            cnt = counts[:, h, i]
-            n = int(cnt.max())
-            if n == 0:  # only padding queries (left padding): no key for any row
-                pieces.append(torch.zeros_like(qq))
-                continue
-            idx = ids[:, h, i, :n]  # (B,n)
-            first = int(idx[0, 0]) if n else 0
-            contiguous = bool((cnt == n).all()) and bool((idx == first + torch.arange(n)).all())
-            if contiguous:
-                kk = k[:, h : h + 1, first * bs : min((first + n) * bs, skv)]
-                vv = v[:, h : h + 1, first * bs : min((first + n) * bs, skv)]
-                k_pos = torch.arange(first * bs, first * bs + kk.shape[2])[None].expand(b, -1)
-            else:
-                kk = kb[:, h][bidx, idx].reshape(b, 1, n * bs, d)
-                vv = vb[:, h][bidx, idx].reshape(b, 1, n * bs, d)
-                k_pos = (idx[..., None] * bs + inner).reshape(b, n * bs)
-            allowed = k_pos[:, None, :] <= q_pos[None, :, None]  # (B,rows,L)
-            if sliding_window is not None:
-                allowed &= k_pos[:, None, :] > q_pos[None, :, None] - sliding_window
-            if fv is not None:
-                allowed &= k_pos[:, None, :] >= fv[:, None, None]
-            if not contiguous:
-                slot_ok = (torch.arange(n)[None, :] < cnt[:, None]).repeat_interleave(bs, dim=1)
-                allowed &= (k_pos < skv)[:, None, :] & slot_ok[:, None, :]
-            empty = ~allowed.any(-1)  # (B,rows)
-            has_empty = bool(empty.any())
-            if has_empty:
-                allowed[..., 0] |= empty
-            mask = None if bool(allowed.all()) else allowed[:, None].to(q.device)
-            if softcap:
-                ct = torch.promote_types(qq.dtype, torch.float32)
-                s = torch.matmul(qq, kk.transpose(-1, -2)).to(ct) * scale
-                s = softcap * torch.tanh(s / softcap)
-                if mask is not None:
-                    s = s.masked_fill(~mask, float("-inf"))
-                o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv)
-            else:
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
-            if has_empty:
-                o = o.masked_fill(empty[:, None, :, None].to(o.device), 0.0)
-            pieces.append(o)
-        heads.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+            heads.append(dense_attention(
+                q[:, h * rep : (h + 1) * rep], k[:, h : h + 1], v[:, h : h + 1], pad_mask, scale=scale, causal=True,
+                softcap=softcap, sliding_window=sliding_window,
+            ))
+        else:
+            heads.append(_attend_head_autograd(q, k, v, kb, vb, counts, ids, h, bs, scale, softcap, sliding_window,
+                                               fv))
     return torch.cat(heads, dim=1) if len(heads) > 1 else heads[0]

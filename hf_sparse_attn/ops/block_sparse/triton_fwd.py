@@ -167,7 +167,7 @@ def _bfla_fwd_kernel(
     tl.store(LSE + (b * HQ + hq) * SQ + offs_m, lse, mask=row_ok)
 
 
-# (num_warps, num_stages) of the forward per head dim, from the sweep of ``benchmarks/tune_bfla_gpu.py`` on sm_90
+# (num_warps, num_stages) of the forward per head dim on sm_90, from the sweep of ``benchmarks/tune_bfla_gpu.py``
 # (docs/results.md): 4 warps at every tile and head dim; 3 pipeline stages pay at head_dim <= 64 only.
 LAUNCH_CONFIGS: dict[int, tuple[int, int]] = {16: (4, 3), 32: (4, 3), 64: (4, 3), 128: (4, 2), 256: (4, 2)}
 
@@ -185,8 +185,8 @@ def compiled_on_cuda(q: torch.Tensor) -> bool:
 def tile_sizes(block_size: int, head_dim: int, on_cuda: bool, itemsize: int = 2) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of the backward kernels: both divide ``block_size``. A query tile holds at most 32 KB of
     Q (``BLOCK_M * head_dim * itemsize``), so fp32 takes half the rows of bf16/fp16 from head_dim 128 on: at 128
-    rows its dK/dV kernel needs 224 KB of shared memory (sm_90 compile), all but 3 KB of an H200's 227 KB; 64 rows
-    need 144 KB (``tests/test_triton_sm90_compile.py`` checks every launch against the limit)."""
+    rows its dK/dV kernel needs 224 KB of shared memory on sm_90 (the limit is 227 KB), 64 rows 144 KB
+    (``tests/test_triton_sm90_compile.py`` checks every launch against the limit)."""
     bn = min(64 if head_dim <= 128 else 32, block_size)
     fit = 1 << ((32768 // (head_dim * itemsize)).bit_length() - 1)  # a power of two
     return min(128 if on_cuda else 64, max(16, fit), block_size), bn
@@ -196,9 +196,8 @@ def fwd_tiles(group: int, block_size: int, head_dim: int, on_cuda: bool,
               block_m: int | None = None, block_n: int | None = None) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, HPT)`` of the forward for ``group`` query heads per KV head.
 
-    A program stacks ``HPT*BLOCK_M`` rows: at most 128 for head_dim <= 64 on CUDA, else 64 (measured on an H200
-    by ``benchmarks/tune_bfla_gpu.py``, bf16, 32k tokens, GQA 4, densities 1 and 0.3: at head_dim 128, 64 rows
-    are 11-14 % faster than 128; at 64, 128 rows are 6 % faster than 64; at 256 only 64 rows were measured).
+    A program stacks ``HPT*BLOCK_M`` rows: at most 128 for head_dim <= 64 on CUDA, else 64 (the tile sweep of
+    ``benchmarks/tune_bfla_gpu.py``; docs/results.md).
     ``HPT`` = the group size rounded up to a power of two, capped so that ``BLOCK_M`` stays >= 16 (larger groups
     are split over several head tiles); ``BLOCK_M`` = the rows left per head (at most ``block_size``). An
     explicit ``block_m`` is kept as the per-head query tile and ``HPT`` fits the cap around it.

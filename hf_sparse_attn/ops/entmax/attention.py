@@ -4,11 +4,11 @@ import torch
 
 from hf_sparse_attn.core.checks import check_range
 from hf_sparse_attn.core.masks import LeftPadding
-from hf_sparse_attn.ops.entmax.masks import _op_mask_args, key_counts
-from hf_sparse_attn.ops.entmax.naive import _alpha_mode, entmax
+from hf_sparse_attn.ops.entmax.masks import op_mask_args, key_counts
+from hf_sparse_attn.ops.entmax.naive import alpha_mode, entmax
 
 
-def _alpha_tensor(alpha, hq: int, device, dtype) -> tuple[torch.Tensor, int]:
+def alpha_tensor(alpha, hq: int, device, dtype) -> tuple[torch.Tensor, int]:
     if isinstance(alpha, torch.Tensor):
         a = alpha.reshape(-1)
         if a.numel() == 1:
@@ -18,7 +18,7 @@ def _alpha_tensor(alpha, hq: int, device, dtype) -> tuple[torch.Tensor, int]:
         return a.to(device), 0
     check_range("alpha", alpha, 1.0, 2.0, low_open=True)
     ct = torch.promote_types(dtype, torch.float32)
-    return torch.full((hq,), float(alpha), dtype=ct, device=device), _alpha_mode(alpha)
+    return torch.full((hq,), float(alpha), dtype=ct, device=device), alpha_mode(alpha)
 
 
 def entmax_attention(
@@ -44,8 +44,8 @@ def entmax_attention(
     b, hq, sq, _ = q.shape
     skv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    alpha_t, mode = _alpha_tensor(alpha, hq, q.device, q.dtype)
-    first_valid, bool_mask = _op_mask_args(mask, sq, skv, q.device)
+    alpha_t, mode = alpha_tensor(alpha, hq, q.device, q.dtype)
+    first_valid, bool_mask = op_mask_args(mask, sq, skv, q.device)
     if bool_mask is not None:
         mask = bool_mask
     n_valid = key_counts(mask, b, sq, skv, causal=causal, sliding_window=sliding_window, device=q.device)

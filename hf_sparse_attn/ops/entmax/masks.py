@@ -21,7 +21,7 @@ def key_counts(mask, batch: int, q_len: int, kv_len: int, *, causal: bool, slidi
     return (q_abs[None, :] + 1 - low).clamp(min=0).to(torch.float32)
 
 
-def _op_mask_args(mask, q_len: int, kv_len: int, device):
+def op_mask_args(mask, q_len: int, kv_len: int, device):
     """(first_valid, bool_mask) op arguments for a contract mask."""
     if mask is None:
         return None, None

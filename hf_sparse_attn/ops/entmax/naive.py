@@ -16,7 +16,7 @@ _FULL_ITERS = 30
 _TOL = {torch.float32: 1e-6, torch.float64: 1e-13}
 ALPHA_MIN_LEARNED = 1.01
 
-def _alpha_mode(alpha) -> int:
+def alpha_mode(alpha) -> int:
     """1: α = 1.5 (closed forms, no pow), 2: α = 2 (sparsemax), 0: general (α may be a per-head tensor)."""
     if isinstance(alpha, (int, float)):
         if alpha == 1.5:
@@ -142,7 +142,7 @@ def _grad_weights(d: torch.Tensor, mode: int, em1) -> torch.Tensor:
 
 def _entmax_forward(z: torch.Tensor, alpha, mask: torch.Tensor | None) -> torch.Tensor:
     """Exact α-entmax over the last dim (computed in ``promote_types(dtype, float32)``)."""
-    mode = _alpha_mode(alpha)
+    mode = alpha_mode(alpha)
     ct = torch.promote_types(z.dtype, torch.float32)
     am1 = (alpha.to(ct) if isinstance(alpha, torch.Tensor) else float(alpha)) - 1
     keep = None if mask is None else mask.expand_as(z)

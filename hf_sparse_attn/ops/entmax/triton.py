@@ -120,8 +120,8 @@ def _pow_terms(d, em1, MODE: tl.constexpr):
     return u * d, u
 
 
-# fp32 inputs: products as three TF32 tensor-core passes (≈ fp32 accuracy). "ieee" (FMA) made the sm_90 forward
-# spill 34 KB per thread (ptxas -v, Triton 3.6) and time out on an H200; the interpreter computes in fp32 either way.
+# fp32 inputs: products as three TF32 tensor-core passes (≈ fp32 accuracy; "ieee" FMA products spill heavily in the
+# sm_90 forward); the interpreter computes in fp32 either way.
 FP32_DOT = tl.constexpr("tf32x3")
 
 # Histogram of pass A: 16 four-bit counters packed in one uint64 per (row, key lane), bins of width 1/HIST_PER_UNIT on
@@ -528,29 +528,26 @@ def _entmax_bwd_dkdv_kernel(
     tl.store(DV + out[:, None] * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask[:, None])
 
 
-# num_warps of the 16-bit kernels at head_dim <= 128. ptxas -v (sm_90a, Triton 3.6, α 1.5, d 128): 4 warps give
-# 255 registers and 904 / 1832 / 1068 bytes of spill stores per thread (forward / dQ / dK-dV), 8 warps 255 and
-# 40 / 480 / 308 (the forward's packed histogram lanes, a (64, 64) uint64 tile, is most of it). 4 until a GPU times
-# both (benchmarks/gpu_check_entmax.sh: the ``w8`` columns).
+# num_warps of the 16-bit kernels at head_dim <= 128 (8 warps spill less; ``benchmarks/gpu_check_entmax.sh`` times
+# both as its ``w8`` columns).
 WARPS_16BIT = 4
 
 
 def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``methods.entmax.tiles_cpu.TILE``); 8 warps
+    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``ops.entmax.tiles_cpu.TILE``); 8 warps
     at head_dim 256 and in fp32, else :data:`WARPS_16BIT`."""
     return TILE, TILE, 8 if (head_dim >= 256 or dtype == torch.float32) else WARPS_16BIT
 
 
-# |Σp - 1| every row must reach (fp32 sums) before the output is kept. SmolLM2 Q/K/V at 1k, α = 1.5 (interpreter,
-# benchmarks/RESULTS.md): after the pass-B update the median row is at 2e-7, the 99th percentile at 3e-5, 0.07-0.16 %
-# of rows above 1e-4; outputs within 5e-5 of the exact reference. 1e-6 costs a second output pass nearly everywhere.
+# |Σp - 1| every row must reach (fp32 sums) before the output is kept; rows above it take one more Newton update and
+# output pass.
 TOL = 1e-4
 MAX_ITER = 30  # output passes at most (each after the first is one Newton update of the rows not yet within TOL)
 
 
-# Forward programs per (query block, KV group): K/V tiles loaded once per group instead of once per query head, at
-# GROUP·64 rows of state per program (more registers: GROUP 4 holds a 256-row tile). Off until a GPU measures it
-# (benchmarks/gpu_check_entmax.sh times both); the interpreter tests check both give the reference's results.
+# The forward's default program layout: per (query block, query head) (False) or per (query block, KV group) (True:
+# K/V tiles loaded once per group at GROUP·64 rows of state per program). Both are tested against the reference;
+# ``benchmarks/gpu_check_entmax.sh`` times both.
 PACK_GQA = False
 
 
