@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check (DESIGN.md §9): Triton kernel tests on CUDA + the GPU benchmark grid, JSON into $OUT.
+# One-shot GPU check: Triton kernel tests on CUDA + the GPU benchmark grid, JSON into $OUT.
 # Usage: OUT=/some/dir bash benchmarks/gpu_check.sh      (run from the repository root; at most BUDGET_S = 460 s)
 # Each section writes its own JSON/log into a work folder; a failing section is recorded and the script goes on.
 # Sections run in priority order (what no GPU run has measured yet first); ONLY="a b" runs only those.
@@ -28,7 +28,7 @@ XDIST=""
 
 status=0
 T_START=$(date +%s)
-BUDGET_S="${BUDGET_S:-460}"  # the whole script stays under 8 minutes (DESIGN §9): sections run in priority order,
+BUDGET_S="${BUDGET_S:-460}"  # the whole script stays under 8 minutes: sections run in priority order,
 # each limited to what is left of the budget; a section with under 20 s left is skipped (recorded as rc "skipped")
 section() {  # section NAME TIMEOUT_S CMD...   (ONLY="name1 name2": run only those sections)
   local name=$1 limit=$2; shift 2
@@ -84,7 +84,7 @@ for f in gpu_inputs/qk_*.safetensors; do
   section "real_$(basename "$f" .safetensors)" 70 "$PY" benchmarks/bench_bfla_gpu_real.py run --inputs "$f" \
     --prefixes 4096,8192 --out "$W/real_$(basename "$f" .safetensors).json"
 done
-# Launches / aten ops / host syncs of one build_plan call at 8k (PyTorch path vs kernels/bfla_plan.py).
+# Launches / aten ops / host syncs of one build_plan call at 8k (PyTorch path vs ops/bfla_plan/triton_plan.py).
 section plan_counts 30 "$PY" benchmarks/count_plan_ops.py --out "$W/plan_counts.json"
 
 # The grid: bf16, causal, D 128, GQA 32/8, 8k..128k: SDPA flash, the BFLA kernel at fixed densities, flex_attention

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Entmax part of the one-shot GPU check (DESIGN §9): Triton kernel tests on CUDA, then the benchmark grid
+# Entmax part of the one-shot GPU check: Triton kernel tests on CUDA, then the benchmark grid
 # (bf16, causal, head_dim 128, GQA 32/8, 8k-32k; forward and forward+backward of entmax α=1.5 vs SDPA flash, and
 # AdaSplash when importable), first on Q/K captured from SmolLM2 (gpu_inputs/, tile sparsity beside every timing), then
 # on random inputs (the worst case: no tile can be skipped); our forward also with PACK_GQA (K/V tiles loaded once
