@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-oldest test-slow demo finetune-demo bench lint clean
+.PHONY: setup test test-oldest test-slow demo finetune-demo bench gpu-inputs lint clean
 
 $(STAMP): pyproject.toml requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -52,6 +52,14 @@ finetune-demo: setup
 
 bench: setup
 	$(VENV)/bin/hf-sparse-attn bench
+
+## What the GPU check brings in the working tree (git-ignored; the device tool needs carry=["vendor", "gpu_inputs"]):
+## the AdaSplash wheel (the GPU machine has no internet) and Q/K/V captured from SmolLM2 and Gemma 3 270M at 16k.
+## Then, on the GPU machine: OUT=<dir> bash benchmarks/gpu_check.sh   (under 8 minutes; JSON and logs into <dir>).
+gpu-inputs: setup
+	$(PIP) download -q adasplash==0.2.2 --no-deps -d vendor/wheels
+	$(PY) benchmarks/bench_bfla_gpu_real.py export --model smollm2 --length 16384 --layers 9,21 --out gpu_inputs/qk_smollm2_16384.safetensors
+	$(PY) benchmarks/bench_bfla_gpu_real.py export --model gemma3-270m --length 16384 --layers 5,11 --out gpu_inputs/qk_gemma3-270m_16384.safetensors
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_sparse_attn import patch_model, windowed
+from hf_sparse_attn import patch_model
 from hf_sparse_attn.core.masks import causal_bool_mask
+from hf_sparse_attn.ops import band as windowed
 from hf_sparse_attn.ops.dense import dense_attention
 
 

@@ -188,7 +188,8 @@ def test_chunk_spans_cover_each_chunk_exactly():
 
 
 def test_llama4_chunked_layers_run_chunk_by_chunk(monkeypatch):
-    from hf_sparse_attn import integration, windowed
+    from hf_sparse_attn import integration
+    from hf_sparse_attn.ops import band as windowed
 
     model = tiny_model("llama4_text")
     assert model.config.layer_types == ["chunked_attention", "full_attention"]

@@ -8,9 +8,10 @@ The default suite runs a short prompt (2k tokens, bfla forced on with ``min_seq_
 import pytest
 import torch
 
-from hf_sparse_attn import patch_model, prose
+from hf_sparse_attn import patch_model
 from hf_sparse_attn.eval.runner import _eos_ids, greedy_decode
 from hf_sparse_attn.models import load
+from hf_sparse_attn.testing import prose
 
 
 @pytest.fixture(scope="module")

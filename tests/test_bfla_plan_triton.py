@@ -23,7 +23,8 @@ import torch
 
 from hf_sparse_attn.methods import bfla
 from hf_sparse_attn.ops.bfla_plan.estimate import estimate_rows
-from hf_sparse_attn.ops.bfla_plan.select import row_entropy, select_plan
+from hf_sparse_attn.ops.bfla_plan.quantize import mass_budget
+from hf_sparse_attn.ops.bfla_plan.select import as_tuple, row_entropy, select_plan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -269,7 +270,7 @@ def _select_inputs(case):
         mass[0, 0, -1, 0] = float("nan")  # a NaN mass counts as 0 in both paths
     else:
         mass = _flat_mass(b, hq, sq, skv, bs, rvalid)
-    if min(bfla.select.as_tuple(cfg.keep_mass)) >= 1.0:
+    if min(as_tuple(cfg.keep_mass)) >= 1.0:
         mass = None
     return mass, rvalid, cfg, fv
 
@@ -304,7 +305,7 @@ def test_select_reference_quantized_ties_by_index():
     assert bfla.select_by_mass(mass, 0.3, max_density=0.25, min_blocks=0).tolist() == [[True, False, False, False]]
     zero = torch.zeros(1, 4)
     assert bfla.select_by_mass(zero, 0.5).tolist() == [[True, True, True, True]]  # nothing reaches the budget
-    assert bfla.select.mass_budget(0.95) == round(0.949999988079071 * 2**24)  # the fp32 value of keep_mass
+    assert mass_budget(0.95) == round(0.949999988079071 * 2**24)  # the fp32 value of keep_mass
 
 
 # -------------------------------------------------------------------------------------------- (c) build_plan

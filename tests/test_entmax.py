@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from hf_sparse_attn import patch_model
+from hf_sparse_attn.api import set_alpha
 from hf_sparse_attn.core.compat import cache_kwargs
 from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.functional import sparse_attention
@@ -616,7 +617,7 @@ def test_alpha_schedule_and_set_alpha():
     with torch.no_grad():
         handle = patch_model(model, method="entmax", alpha=1.5)
         a = model(input_ids=ids).logits
-        E.set_alpha(model, 2.0)
+        set_alpha(model, 2.0)
         assert handle.config.alpha == 2.0
         b = model(input_ids=ids).logits
         handle.remove()
@@ -624,11 +625,11 @@ def test_alpha_schedule_and_set_alpha():
             c = model(input_ids=ids).logits
         assert torch.allclose(b, c, atol=1e-5) and not torch.allclose(a, b, atol=1e-3)
         handle = patch_model(model, method="entmax", learn_alpha=True)
-        E.set_alpha(handle, 1.2)
+        set_alpha(handle, 1.2)
         assert torch.allclose(handle.layers[0].params.alpha(), torch.full((4,), 1.2))
         handle.remove()
     with pytest.raises(ValueError, match="alpha"):
-        E.set_alpha(model, 3.0)
+        set_alpha(model, 3.0)
 
 
 def test_variant_configs_validate():

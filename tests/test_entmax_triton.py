@@ -24,6 +24,7 @@ _SCRIPT = textwrap.dedent(
     from hf_sparse_attn.ops.entmax import triton as T
     from hf_sparse_attn.core.masks import LeftPadding
     from hf_sparse_attn.methods import entmax as E
+    from hf_sparse_attn.ops.entmax.tiles_cpu import tile_grid
 
     def run(alpha, hq, hkv, sq, skv, d, softcap, window, fv, dtype, tol=1e-6, pack=False):
         g = torch.Generator().manual_seed(0)
@@ -40,7 +41,7 @@ _SCRIPT = textwrap.dedent(
     def compare(q, k, v, a, nv, first, scale, softcap, window, mode, g, tol=1e-6, pack=False):
         b, hq, sq = q.shape[:3]
         dtype = q.dtype
-        vis = [torch.zeros(b, hq, *E.tiles_cpu.tile_grid(sq, k.shape[2]), dtype=torch.uint8) for _ in range(3)]
+        vis = [torch.zeros(b, hq, *tile_grid(sq, k.shape[2]), dtype=torch.uint8) for _ in range(3)]
         out, tau, norm, supp, tiles, diag = T.forward(q, k, v, a, nv, first, scale, softcap, window, mode,
                                                        visits=vis[0], tol=tol, pack=pack)
         f32 = [t.float() for t in (q, k, v)]

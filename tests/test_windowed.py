@@ -9,13 +9,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_sparse_attn import integration, patch_model, windowed
+from hf_sparse_attn import integration, patch_model
 from hf_sparse_attn.core.compat import cache_kwargs
 from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.integration import run_method
 from hf_sparse_attn.methods import get_method
 from hf_sparse_attn.methods.entmax import entmax_attention
 from hf_sparse_attn.models import tiny_model
+from hf_sparse_attn.ops import band as windowed
 from hf_sparse_attn.ops.dense import dense_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -120,7 +121,7 @@ def test_band_plan_lists_the_band_tiles_and_band_density():
 
 def test_bool_mask_runs_full_path_and_logs(caplog, monkeypatch):
     from hf_sparse_attn.core.masks import causal_bool_mask
-    from hf_sparse_attn.methods import base
+    from hf_sparse_attn.core import log as base
 
     monkeypatch.setattr(base, "_LOGGED", set())
     q, k, v, _ = _inputs((1, 2, 1, 30, 30, 4, None, None))
