@@ -68,8 +68,9 @@ cat "$W/env.json"
 TIMEOUT=""
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=100"
 section kernel_tests 150 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cacheprovider -p no:benchmark \
-  tests/test_bfla_triton.py tests/test_bfla_estimate_triton.py tests/test_bfla_plan_triton.py tests/test_windowed.py \
-  tests/test_entmax_triton.py tests/test_cuda.py -k "${TESTS_K:-(kernel or cuda or tile) and not interpret}" \
+  tests/ops/block_sparse/test_bfla_triton.py tests/ops/bfla_plan/test_bfla_estimate_triton.py \
+  tests/ops/bfla_plan/test_bfla_plan_triton.py tests/ops/test_windowed.py \
+  tests/ops/entmax/test_entmax_triton.py tests/test_cuda.py -k "${TESTS_K:-(kernel or cuda or tile) and not interpret}" \
   --junitxml="$W/kernel_tests.xml"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash and AdaSplash (its own script; tests ran above).
 section entmax_bench 130 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh

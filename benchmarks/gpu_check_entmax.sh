@@ -15,7 +15,7 @@ PY="${PYTHON:-python3}"
 
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then  # gpu_check.sh runs the tests itself and sets SKIP_TESTS=1
-  timeout 100 "$PY" -P -m pytest tests/test_entmax_triton.py -q -k "cuda" -p no:cacheprovider \
+  timeout 100 "$PY" -P -m pytest tests/ops/entmax/test_entmax_triton.py -q -k "cuda" -p no:cacheprovider \
       >"$OUT/entmax_pytest.log" 2>&1 || status=1
   tail -3 "$OUT/entmax_pytest.log"
 fi

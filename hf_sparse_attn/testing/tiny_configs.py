@@ -1,4 +1,4 @@
-"""Tiny random-weight configs of the model types verified by the architecture matrix (``tests/test_matrix.py``).
+"""Tiny random-weight configs of the model types verified by the architecture matrix (``tests/patches/test_matrix.py``).
 
 One entry per ``model_type``: the config class, the model class (both resolved from the ``transformers``
 namespace) and the keyword arguments that make it tiny. Every text part has hidden 64, 4 query / 2 KV heads,

@@ -186,7 +186,7 @@ def tile_sizes(block_size: int, head_dim: int, on_cuda: bool, itemsize: int = 2)
     """(BLOCK_M, BLOCK_N) of the backward kernels: both divide ``block_size``. A query tile holds at most 32 KB of
     Q (``BLOCK_M * head_dim * itemsize``), so fp32 takes half the rows of bf16/fp16 from head_dim 128 on: at 128
     rows its dK/dV kernel needs 224 KB of shared memory on sm_90 (the limit is 227 KB), 64 rows 144 KB
-    (``tests/test_triton_sm90_compile.py`` checks every launch against the limit)."""
+    (``tests/ops/test_triton_sm90_compile.py`` checks every launch against the limit)."""
     bn = min(64 if head_dim <= 128 else 32, block_size)
     fit = 1 << ((32768 // (head_dim * itemsize)).bit_length() - 1)  # a power of two
     return min(128 if on_cuda else 64, max(16, fit), block_size), bn

@@ -20,7 +20,7 @@ from hf_sparse_attn.patches import get_patcher
 from hf_sparse_attn.testing.tiny_configs import BASE, missing_classes
 from hf_sparse_attn.tools.architectures import BEGIN, END, markdown_table, replace_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_model(model_type: str):

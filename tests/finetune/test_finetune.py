@@ -25,7 +25,7 @@ from hf_sparse_attn.finetune import (
 )
 from hf_sparse_attn.models import load
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # bfla on the tiny model: 16-token blocks, sparse path from the first token, a low keep_mass so tiles are dropped.
 BFLA_CFG = {"block_size": 16, "min_seq_len": 0, "keep_mass": 0.5, "dense_last_blocks": 0, "flat_entropy": 1.0}
 

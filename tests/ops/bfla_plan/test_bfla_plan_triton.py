@@ -145,7 +145,7 @@ def test_plan_kernel_walks_what_count_plan_ops_counts(monkeypatch):
 
     from hf_sparse_attn.ops.bfla_plan import triton_plan as bfla_plan
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "count_plan_ops.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "count_plan_ops.py"
     spec = importlib.util.spec_from_file_location("count_plan_ops", path)
     counter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(counter)

@@ -35,7 +35,7 @@ def _counter():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "count_sass.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "count_sass.py"
     spec = importlib.util.spec_from_file_location("count_sass", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
