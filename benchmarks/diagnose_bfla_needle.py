@@ -44,10 +44,10 @@ def _load(model_name: str):
 
 
 def _answer(model, tok, prompt: dict, max_new: int) -> tuple[str, float]:
-    from hf_sparse_attn.eval.runner import _eos_ids, greedy_decode
+    from hf_sparse_attn.eval.decode import eos_ids, greedy_decode
 
     ids = tok(prompt["input"], add_special_tokens=prompt["add_special_tokens"], return_tensors="pt").input_ids
-    new, prefill_s, _ = greedy_decode(model, ids, max_new, _eos_ids(model, tok))
+    new, prefill_s, _ = greedy_decode(model, ids, max_new, eos_ids(model, tok))
     return tok.decode(new, skip_special_tokens=True).strip(), prefill_s
 
 
@@ -165,7 +165,7 @@ def diagnose_sample(args) -> dict:
     """``diagnose`` on one eval sample (``--samples`` JSONL written by ``hf-sparse-attn eval``, ``--sample-id``);
     the needles are the answer values, "found" is the eval's score of the answer (0-100)."""
     from hf_sparse_attn.eval import ruler
-    from hf_sparse_attn.eval.runner import score_sample
+    from hf_sparse_attn.eval.scoring import score_sample
 
     samples = {s["sample_id"]: s for s in ruler.load_samples(args.samples)}
     if args.sample_id not in samples:
