@@ -90,7 +90,7 @@ def bench_op(lengths: list[int], window: int, rows_grid: list[int], reps: int, d
 
 
 def _prefill_and_generate(model, ids: torch.Tensor, new_tokens: int, eos: set[int]):
-    from hf_sparse_attn.eval.runner import greedy_decode
+    from hf_sparse_attn.eval.decode import greedy_decode
 
     with torch.no_grad():
         return greedy_decode(model, ids, new_tokens, eos)

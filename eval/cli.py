@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from hf_sparse_attn.eval.runner import EvalConfig, parse_method_configs, run_eval
+from hf_sparse_attn.eval.config import EvalConfig, parse_method_configs
+from hf_sparse_attn.eval.runner import run_eval
 
 
 def _csv(text: str) -> list[str]:

@@ -13,7 +13,7 @@ the method's config (``keep_mass``, ``alpha``, a bfla ``profile`` once bfla has 
 of ``hf-sparse-attn lm-eval --paired``).
 
 With ``batch_size=1`` and greedy decoding (every hfsa_ task), each request is decoded by the same greedy loop as
-``hf-sparse-attn eval`` (:func:`hf_sparse_attn.eval.runner.greedy_decode`), which times the prefill (time to first
+``hf-sparse-attn eval`` (:func:`hf_sparse_attn.eval.decode.greedy_decode`), which times the prefill (time to first
 token) and reads the method's measured density right after it; :attr:`SparseAttnLM.prefill_records` holds one
 record per request (task, doc_id, prompt tokens, prefill seconds, density) and :meth:`write_prefill_stats` writes
 them beside lm-eval's logged samples. Other settings (batches, sampling) use ``HFLM``'s own ``generate`` (logged
@@ -147,12 +147,12 @@ class SparseAttnLM(HFLM):
         if context.shape[0] != 1 or not greedy or (mask is not None and not bool(mask.all())):
             _log_once("hf-sparse-attn: sampling or batched generation: HFLM's generate, no prefill timing")
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        from hf_sparse_attn.eval.runner import _eos_ids, greedy_decode
+        from hf_sparse_attn.eval.decode import eos_ids, greedy_decode
 
         handle = self.handle
         density_now = (lambda: handle.stats()["density"]) if handle is not None else (lambda: 1.0)
         new, prefill_s, density = greedy_decode(
-            self.model, context, max_length - context.shape[1], _eos_ids(self.model, self.tokenizer), density_now
+            self.model, context, max_length - context.shape[1], eos_ids(self.model, self.tokenizer), density_now
         )
         req = self._request
         self.prefill_records.append(

@@ -147,7 +147,7 @@ def longbench_docs(hfsa_task: str, **meta: Any):
 
 def process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
     """lm-eval ``process_results``: the sample's 0-100 score under ``score`` and under its length (``"4096"``)."""
-    from hf_sparse_attn.eval.runner import score_sample
+    from hf_sparse_attn.eval.scoring import score_sample
 
     sample = json.loads(doc["sample"])
     score = float(score_sample(sample, results[0]))

@@ -13,7 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from hf_sparse_attn.eval.runner import EvalConfig, read_finetune_folder, run_eval
+from hf_sparse_attn.eval.config import EvalConfig, read_finetune_folder
+from hf_sparse_attn.eval.runner import run_eval
 from hf_sparse_attn.finetune import CONFIG_FILE, METHOD_DIR
 
 

@@ -45,12 +45,21 @@ def _layers_arg(text: str | None):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-sparse-attn finetune`` argument parser: model and method, data, optimisation, evaluation and
+    output."""
     p = argparse.ArgumentParser(
         prog="hf-sparse-attn finetune",
         description="Fine-tune a model with sparse attention layers (hf_sparse_attn) using accelerate.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("model and method")
+    _model_args(p.add_argument_group("model and method"))
+    _data_args(p.add_argument_group("data"))
+    _optimisation_args(p.add_argument_group("optimisation"))
+    _output_args(p.add_argument_group("evaluation and output"))
+    return p
+
+
+def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", required=True, help="local model folder or offline alias (hf_sparse_attn.models)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (mixed precision is set with `accelerate launch --mixed_precision`)")
@@ -63,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--alpha-anneal-steps", type=int, default=0,
                    help=f"entmax: anneal α from {ALPHA_START} to the target over this many optimizer steps")
 
-    g = p.add_argument_group("data")
+
+def _data_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--train-file", nargs="+", default=None, help="local .txt / .json / .jsonl files (globs ok)")
     g.add_argument("--eval-file", nargs="+", default=None, help="held-out files (default: a split of the train set)")
     g.add_argument("--text-field", default="text", help="JSON/JSONL field holding the text")
@@ -90,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens scored by the loss and the held-out perplexity (answer: synthetic data only)")
     g.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
 
-    g = p.add_argument_group("optimisation")
+
+def _optimisation_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--steps", type=int, default=100, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=1, help="sequences per process per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -112,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop training after the step that exceeds this wall time (schedules still span --steps)")
     g.add_argument("--seed", type=int, default=0)
 
-    g = p.add_argument_group("evaluation and output")
+
+def _output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--output-dir", required=True)
     g.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     g.add_argument("--no-eval-dense", action="store_true", help="skip the dense (unpatched) held-out evaluation")
@@ -125,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     g.add_argument("--dump-param-checksums", action="store_true",
                    help="each process writes param_checksums/rank<R>.json (sha256 of every parameter)")
-    return p
-
 
 
 def validate(args: argparse.Namespace) -> None:

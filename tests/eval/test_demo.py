@@ -64,7 +64,7 @@ def _load_shipped_fine_tune():
 def test_the_shipped_fine_tune_replaces_zero_shot_entmax_for_the_demo_model():
     """The package ships the retrieval recipe's asentmax fine-tune of SmolLM2 (LoRA adapter + learned δ/β): the eval's
     ``finetuned:`` checks accept it for the demo's model, and the demo's default method list shows it."""
-    from hf_sparse_attn.eval.runner import read_finetune_folder
+    from hf_sparse_attn.eval.config import read_finetune_folder
 
     folder = demo.FINETUNED
     config = read_finetune_folder(folder, demo.DEFAULTS["model"])

@@ -9,7 +9,9 @@ import torch
 
 from hf_sparse_attn import list_methods, patch_model
 from hf_sparse_attn.eval import ruler
-from hf_sparse_attn.eval.runner import EvalConfig, _eos_ids, greedy_decode, run_eval, validate
+from hf_sparse_attn.eval.config import EvalConfig, validate
+from hf_sparse_attn.eval.decode import eos_ids, greedy_decode
+from hf_sparse_attn.eval.runner import run_eval
 from hf_sparse_attn.eval.tokenizer import ByteTokenizer
 from hf_sparse_attn.finetune import build_parser, load_finetuned, run
 from hf_sparse_attn.models import load
@@ -67,7 +69,7 @@ def _direct(model, handle, sample):
     tok = ByteTokenizer(model.config.get_text_config().vocab_size)
     ids = tok(sample["input"], add_special_tokens=sample["add_special_tokens"], return_tensors="pt")["input_ids"]
     budget = min(8, int(sample["max_new_tokens"]))
-    new, _, density = greedy_decode(model, ids, budget, _eos_ids(model, tok), lambda: handle.stats()["density"])
+    new, _, density = greedy_decode(model, ids, budget, eos_ids(model, tok), lambda: handle.stats()["density"])
     return tok.decode(new, skip_special_tokens=True), density
 
 

