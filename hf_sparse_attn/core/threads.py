@@ -4,8 +4,8 @@ pool whose torch ops each run on one thread.
 bfla's CPU inference path is hundreds of small ops per layer (the plan's ~60 ops, one or two SDPA calls per query
 block and KV head). Under torch's OpenMP intra-op pool every one of them is a parallel region that ends in a
 barrier: on an idle machine that costs little, but when another process keeps the cores busy a descheduled
-OpenMP thread stalls every barrier. Here the work items run on ``workers`` Python threads instead (torch releases the GIL
-inside its kernels), each op single-threaded: no barrier per op, one join per layer.
+OpenMP thread stalls every barrier. Here the work items run on ``workers`` Python threads instead (torch releases
+the GIL inside its kernels), each op single-threaded: no barrier per op, one join per layer.
 
 Intra-op threads are per OS thread under OpenMP and a thread takes torch's global setting at its first op, so the
 pool's threads are started (and keep) one intra-op thread; the caller's own setting is restored after every

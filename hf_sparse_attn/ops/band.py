@@ -102,9 +102,9 @@ def windowed_attention(
 def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_size: int, device, first_valid=None):
     """The band as BFLA tile lists: every key tile that intersects the window of some query of the query tile.
 
-    Returns a :class:`~hf_sparse_attn.ops.block_sparse.tiles.BflaPlan` with ``counts (B,Hkv,NQ)`` and ``ids (B,Hkv,NQ,NK)``
-    (the same for every batch row and head); no host sync. ``first_valid (B,)``: left padding, carried by the plan
-    (the kernels mask each row's padded keys; tiles of padding only cost a masked pass).
+    Returns a :class:`~hf_sparse_attn.ops.block_sparse.tiles.BflaPlan` with ``counts (B,Hkv,NQ)`` and
+    ``ids (B,Hkv,NQ,NK)`` (the same for every batch row and head); no host sync. ``first_valid (B,)``: left padding,
+    carried by the plan (the kernels mask each row's padded keys; tiles of padding only cost a masked pass).
     """
     valid = block_valid(sq, skv, block_size, window, device)
     counts, ids = _band_lists(sq, skv, window, block_size, device)

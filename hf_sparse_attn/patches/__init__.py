@@ -3,8 +3,8 @@ model (a family file, or the generic rule for an unknown decoder that uses the a
 
 Adding an architecture: declare its quirks in a family file (or add its ``model_type`` to an existing patcher), list
 the file's patchers in ``_FAMILIES`` below, add a tiny config to ``hf_sparse_attn.testing.tiny_configs`` and regenerate
-docs/architectures.md (``python -m hf_sparse_attn.tools.architectures``). The test matrix (``tests/patches/test_matrix.py``)
-runs every type of :func:`supported_model_types`.
+docs/architectures.md (``python -m hf_sparse_attn.tools.architectures``). The test matrix
+(``tests/patches/test_matrix.py``) runs every type of :func:`supported_model_types`.
 """
 
 from __future__ import annotations

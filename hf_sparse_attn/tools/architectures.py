@@ -20,7 +20,8 @@ def markdown_table() -> str:
     """The README table of supported architectures and their quirks (from the registry the test matrix verifies:
     ``tests/patches/test_matrix.py`` builds a tiny model of every row and checks that this list is what it verified)."""
     rows = [
-        f"{len(supported_model_types())} model types, each verified by `tests/patches/test_matrix.py` on a tiny random model "
+        f"{len(supported_model_types())} model types, each verified by `tests/patches/test_matrix.py` on a tiny "
+        "random model "
         "(dense = eager within 1e-5 in fp32: unpadded, left-padded, chunked prefill, generate, gradients; bfla with "
         "every tile kept = dense; entmax prefill + decode; unpatch bit-identical).",
         "",

@@ -2,8 +2,8 @@
 density falls, and write a profile with the lowest-density ``keep_mass`` under a target error.
 
 The model runs densely on calibration prompts (ordinary technical prose with a needle of our own format,
-:mod:`hf_sparse_attn.testing.prose`; never evaluation samples). In every layer bfla may sparsify, the dense run's Q/K/V go
-through bfla at each candidate ``keep_mass`` (``levels``; every other option as in the given config, rescues
+:mod:`hf_sparse_attn.testing.prose`; never evaluation samples). In every layer bfla may sparsify, the dense run's Q/K/V
+go through bfla at each candidate ``keep_mass`` (``levels``; every other option as in the given config, rescues
 included), and for each KV head the relative error of its query group's output,
 ``||O_bfla - O_dense||_F / ||O_dense||_F``, and its density (kept / causal tiles) are recorded. The error is
 measured on ``error_rows`` (default 8) sampled query rows per block: the estimate is made once per layer, and each

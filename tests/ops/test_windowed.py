@@ -120,8 +120,8 @@ def test_band_plan_lists_the_band_tiles_and_band_density():
 
 
 def test_bool_mask_runs_full_path_and_logs(caplog, monkeypatch):
-    from hf_sparse_attn.core.masks import causal_bool_mask
     from hf_sparse_attn.core import log as base
+    from hf_sparse_attn.core.masks import causal_bool_mask
 
     monkeypatch.setattr(base, "_LOGGED", set())
     q, k, v, _ = _inputs((1, 2, 1, 30, 30, 4, None, None))

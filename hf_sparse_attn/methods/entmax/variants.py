@@ -20,7 +20,7 @@ import torch
 
 from hf_sparse_attn.core.checks import check_range
 from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
-from hf_sparse_attn.methods.entmax.method import module_device, num_query_heads, entmax_layer_stats
+from hf_sparse_attn.methods.entmax.method import entmax_layer_stats, module_device, num_query_heads
 from hf_sparse_attn.ops.dense import dense_attention
 from hf_sparse_attn.ops.entmax.attention import entmax_attention
 from hf_sparse_attn.ops.entmax.masks import key_counts
@@ -93,7 +93,8 @@ def _asentmax_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, 
 
 def _asentmax_init_layer(module: torch.nn.Module, state: LayerState) -> None:
     cfg = state.config
-    state.params = ASEntmaxParams(num_query_heads(module), cfg.delta_init, cfg.beta_init, cfg.learn, module_device(module))
+    heads, device = num_query_heads(module), module_device(module)
+    state.params = ASEntmaxParams(heads, cfg.delta_init, cfg.beta_init, cfg.learn, device)
 
 
 def _asentmax_stats(state: LayerState) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 Every estimator returns ``(B,Hq,NQ,NK)`` fp32 masses: for query block ``I`` and key block ``J`` the share of
 softmax mass the block's queries give to ``J``, over the causal (+ window, - left padding) blocks. On CUDA the
 ``rows`` estimator runs in Triton, tested against :func:`estimate_rows`: inside ``build_plan`` as the first of the
-plan's two launches (``hf_sparse_attn.ops.bfla_plan.triton_plan.plan_estimate``: one pass over K, also the row entropies of
-``select.row_entropy``), and in :func:`estimate_block_mass` as ``hf_sparse_attn.ops.bfla_plan.triton_estimate`` (two passes).
+plan's two launches (:func:`hf_sparse_attn.ops.bfla_plan.triton_plan.plan_estimate`: one pass over K, also the row
+entropies of :func:`~hf_sparse_attn.ops.bfla_plan.select.row_entropy`), and in :func:`estimate_block_mass` as
+:mod:`hf_sparse_attn.ops.bfla_plan.triton_estimate` (two passes).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ KEEP_ALL_BUDGET = 2**31 - 1  # the integer budget of a query head at keep_mass >
 
 def quantize_unit(x: torch.Tensor, bits: int) -> torch.Tensor:
     """int64 ``round-half-up(clamp(x, 0, 1) * 2^bits)`` (NaN: 0), computed exactly in fp32 (the scaling by a power
-    of two is exact, ``x - floor(x)`` too), so the Triton plan kernels (``hf_sparse_attn.ops.bfla_plan.triton_plan``) get the
-    same integers from the same floats."""
+    of two is exact, ``x - floor(x)`` too), so the Triton plan kernels (:mod:`.triton_plan`) get the same
+    integers from the same floats."""
     x = x.float().nan_to_num(0.0).clamp(0.0, 1.0) * float(2**bits)  # NaN -> 0 in both paths
     f = torch.floor(x)
     return f.to(torch.int64) + (x - f >= 0.5).to(torch.int64)

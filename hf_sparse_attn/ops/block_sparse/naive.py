@@ -1,5 +1,5 @@
 """Plain PyTorch references of the bfla Triton ops (``hf_sparse_attn::bfla_fwd`` / ``bfla_bwd``): explicit masked
-softmax over the listed tiles, O(Sq·Skv) memory. What the kernels in ``hf_sparse_attn.ops.block_sparse.triton_fwd/bwd`` compute,
+softmax over the listed tiles, O(Sq·Skv) memory. What the kernels in ``triton_fwd`` / ``triton_bwd`` compute,
 and their CPU implementation."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import torch
 
 from hf_sparse_attn.core.checks import check_range
 from hf_sparse_attn.core.masks import LeftPadding
-from hf_sparse_attn.ops.entmax.masks import op_mask_args, key_counts
+from hf_sparse_attn.ops.entmax.masks import key_counts, op_mask_args
 from hf_sparse_attn.ops.entmax.naive import alpha_mode, entmax
 
 
