@@ -183,89 +183,42 @@ def transformers_attr(name: str) -> Any:
     return getattr(transformers, name)
 
 
+_IDS = {"bos_token_id": 1, "eos_token_id": 2}
+_GEMMA = {"head_dim": _TINY_HEAD_DIM, "query_pre_attn_scalar": _TINY_HEAD_DIM, "sliding_window": 4,
+          "layer_types": ["sliding_attention", "full_attention"]}
+_HYBRID = {**_TINY_LINEAR, "num_hidden_layers": 4, "head_dim": _TINY_HEAD_DIM, "layer_types": _HYBRID_LAYERS, **_IDS}
+
+# model_type -> what its tiny text config sets on top of _TINY_BASE.
+_TINY_TEXT: dict[str, dict[str, Any]] = {
+    "llama": {"head_dim": _TINY_HEAD_DIM, **_IDS},
+    "gemma2": {**_GEMMA, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": _GEMMA,
+    "gemma3": _GEMMA,
+    # Layers 0-1 compute K/V, layers 2-3 reuse them (num_kv_shared_layers=2). Full-attention layers have their own
+    # head_dim (global_head_dim=32 vs 16) and one K=V head (attention_k_eq_v).
+    "gemma4_text": {
+        "num_hidden_layers": 4, "head_dim": _TINY_HEAD_DIM, "global_head_dim": 2 * _TINY_HEAD_DIM,
+        "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 2, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "vocab_size_per_layer_input": _TINY_VOCAB,
+        "hidden_size_per_layer_input": 8,
+    },
+    # Qwen2 slides on layers with index >= max_window_layers: layer 0 full, layer 1 sliding.
+    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1, **_IDS},
+    "qwen2_moe": {**_TINY_MOE, "shared_expert_intermediate_size": 32, **_IDS},
+    "qwen3": {"head_dim": _TINY_HEAD_DIM, **_IDS},
+    "qwen3_moe": {**_TINY_MOE, "head_dim": _TINY_HEAD_DIM, **_IDS},
+    "qwen3_5_text": _HYBRID,
+    "qwen3_5_moe_text": {**_HYBRID, **_TINY_MOE, "shared_expert_intermediate_size": 32},
+    "qwen3_next": {**_HYBRID, **_TINY_MOE, "shared_expert_intermediate_size": 32},
+}
+
+
 def _tiny_text_kwargs(model_type: str) -> dict[str, Any]:
-    base = dict(_TINY_BASE)
-    if model_type == "llama":
-        return {**base, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "gemma2":
-        return {
-            **base,
-            "head_dim": _TINY_HEAD_DIM,
-            "query_pre_attn_scalar": _TINY_HEAD_DIM,
-            "attn_logit_softcapping": 5.0,
-            "final_logit_softcapping": 30.0,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-        }
-    if model_type in ("gemma3_text", "gemma3"):
-        return {
-            **base,
-            "head_dim": _TINY_HEAD_DIM,
-            "query_pre_attn_scalar": _TINY_HEAD_DIM,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-        }
-    if model_type == "gemma4_text":
-        # Layers 0-1 compute K/V, layers 2-3 reuse them (num_kv_shared_layers=2). Full-attention layers
-        # have their own head_dim (global_head_dim=32 vs 16) and one K=V head (attention_k_eq_v).
-        return {
-            **base,
-            "num_hidden_layers": 4,
-            "head_dim": _TINY_HEAD_DIM,
-            "global_head_dim": 2 * _TINY_HEAD_DIM,
-            "num_global_key_value_heads": 1,
-            "attention_k_eq_v": True,
-            "num_kv_shared_layers": 2,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "vocab_size_per_layer_input": _TINY_VOCAB,
-            "hidden_size_per_layer_input": 8,
-        }
-    if model_type == "qwen2":
-        # Qwen2 slides on layers with index >= max_window_layers: layer 0 full, layer 1 sliding.
-        return {
-            **base,
-            "use_sliding_window": True,
-            "sliding_window": 4,
-            "max_window_layers": 1,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    if model_type == "qwen2_moe":
-        return {
-            **base,
-            **_TINY_MOE,
-            "shared_expert_intermediate_size": 32,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    if model_type == "qwen3":
-        return {**base, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "qwen3_moe":
-        return {**base, **_TINY_MOE, "head_dim": _TINY_HEAD_DIM, "bos_token_id": 1, "eos_token_id": 2}
-    if model_type == "qwen3_5_text":
-        return {
-            **base,
-            **_TINY_LINEAR,
-            "num_hidden_layers": 4,
-            "head_dim": _TINY_HEAD_DIM,
-            "layer_types": list(_HYBRID_LAYERS),
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    if model_type in ("qwen3_5_moe_text", "qwen3_next"):
-        return {
-            **base,
-            **_TINY_LINEAR,
-            **_TINY_MOE,
-            "shared_expert_intermediate_size": 32,
-            "num_hidden_layers": 4,
-            "head_dim": _TINY_HEAD_DIM,
-            "layer_types": list(_HYBRID_LAYERS),
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        }
-    raise ValueError(f"no tiny config for model_type {model_type!r}; known: {TINY_MODEL_TYPES}")
+    """The keyword arguments of ``model_type``'s tiny text config (fresh containers on every call)."""
+    if model_type not in _TINY_TEXT:
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {TINY_MODEL_TYPES}")
+    kwargs = {**_TINY_BASE, **_TINY_TEXT[model_type]}
+    return {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
 def tiny_config(model_type: str):
