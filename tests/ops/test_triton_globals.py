@@ -23,7 +23,9 @@ KERNEL_MODULES = [
     "block_sparse.triton_bwd",
     "bfla_plan.triton_estimate",
     "bfla_plan.triton_plan",
-    "entmax.triton",
+    "entmax.triton_common",
+    "entmax.triton_fwd",
+    "entmax.triton_bwd",
 ]
 
 
