@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from hf_sparse_attn.methods.entmax.tiles_cpu import TILE, blockwise_forward
+from hf_sparse_attn.methods.entmax.cpu_forward import blockwise_forward
+from hf_sparse_attn.methods.entmax.cpu_tiles import TILE
 
 BINS = 15  # kernels.entmax_triton.HIST_PER_UNIT
 

@@ -40,7 +40,7 @@ _SCRIPT = textwrap.dedent(
     def compare(q, k, v, a, nv, first, scale, softcap, window, mode, g, tol=1e-6, pack=False):
         b, hq, sq = q.shape[:3]
         dtype = q.dtype
-        vis = [torch.zeros(b, hq, *E.tiles_cpu.tile_grid(sq, k.shape[2]), dtype=torch.uint8) for _ in range(3)]
+        vis = [torch.zeros(b, hq, *E.cpu_tiles.tile_grid(sq, k.shape[2]), dtype=torch.uint8) for _ in range(3)]
         out, tau, norm, supp, tiles, diag = T.forward(q, k, v, a, nv, first, scale, softcap, window, mode,
                                                        visits=vis[0], tol=tol, pack=pack)
         f32 = [t.float() for t in (q, k, v)]

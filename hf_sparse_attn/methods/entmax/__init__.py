@@ -9,10 +9,11 @@ Modules of this package:
 * :mod:`.rowwise` — :func:`entmax` / :func:`sparsemax` over the last dim of a materialized tensor (exact; the
   oracle), with the gradient w.r.t. α;
 * :mod:`.masks` — contract masks -> per-row key counts (:func:`key_counts`) and op arguments;
-* :mod:`.tiles_cpu` — the tiled PyTorch implementation (64×64 tiles: tile maxima, τ over candidate tiles, a tile
-  mask, output and backward over non-zero tiles only);
-* :mod:`.ops` — the custom ops ``torch.ops.hf_sparse_attn.entmax_fwd`` / ``entmax_bwd`` (CPU = tiles_cpu, CUDA =
-  the Triton kernels of ``hf_sparse_attn.kernels.entmax_triton``);
+* :mod:`.cpu_tiles`, :mod:`.cpu_tau`, :mod:`.cpu_forward`, :mod:`.cpu_backward`, :mod:`.dense_cpu` — the tiled
+  PyTorch implementation (64×64 tiles: tile maxima, τ per row, a tile mask, output and backward over non-zero
+  tiles only);
+* :mod:`.ops` — the custom ops ``torch.ops.hf_sparse_attn.entmax_fwd`` / ``entmax_bwd`` (CPU = the tiled PyTorch
+  path, CUDA = the Triton kernels of ``hf_sparse_attn.kernels.entmax_triton``);
 * :mod:`.attention` — :func:`entmax_attention` and :func:`entmax_attention_reference`;
 * :mod:`.method` — the ``entmax`` / ``sparsemax`` methods, learned per-head α, α annealing, layer statistics.
 
@@ -21,6 +22,7 @@ Length-scaled variants (``asentmax``, ``ssmax``) live in :mod:`hf_sparse_attn.me
 
 from ..entmax_variants import ASENTMAX_METHOD, SSMAX_METHOD
 from .attention import _alpha_tensor, entmax_attention, entmax_attention_reference
+from .cpu_tiles import TILE, TILE_HIDDEN, TILE_NONZERO, TILE_ZERO, tile_fractions
 from .masks import _op_mask_args, key_counts
 from .method import (
     METHOD,
@@ -37,7 +39,6 @@ from .method import (
 )
 from .ops import entmax_bwd, entmax_fwd
 from .rowwise import ALPHA_MIN_LEARNED, _alpha_mode, entmax, sparsemax
-from .tiles_cpu import TILE, TILE_HIDDEN, TILE_NONZERO, TILE_ZERO, tile_fractions
 
 METHODS = (METHOD, SPARSEMAX_METHOD, ASENTMAX_METHOD, SSMAX_METHOD)
 

@@ -8,8 +8,8 @@ import torch
 
 from ..base import LayerState, Method, MethodConfig, check_range
 from .attention import entmax_attention
+from .cpu_tiles import tile_fractions
 from .rowwise import ALPHA_MIN_LEARNED
-from .tiles_cpu import tile_fractions
 
 
 @dataclass
