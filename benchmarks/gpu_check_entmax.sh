@@ -84,7 +84,7 @@ def fwd_bwd(fn, q, k, v):
 
 
 def variant(fn, **settings):
-    """``fn`` with module settings of kernels.entmax_triton changed for the call (PACK_GQA, WARPS_16BIT)."""
+    """``fn`` with module settings of ops.entmax.triton changed for the call (PACK_GQA, WARPS_16BIT)."""
     def run(*args):
         old = {name: getattr(KT, name) for name in settings}
         for name, value in settings.items():
@@ -98,7 +98,7 @@ def variant(fn, **settings):
 
 
 def packed(fn):
-    """``fn`` with the KV-group-packed entmax forward (kernels.entmax_triton.PACK_GQA)."""
+    """``fn`` with the KV-group-packed entmax forward (ops.entmax.triton.PACK_GQA)."""
     return variant(fn, PACK_GQA=True)
 
 

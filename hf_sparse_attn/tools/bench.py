@@ -61,6 +61,48 @@ def capture_qkv(model, tokenizer, length: int, layers: list[int]) -> dict[int, t
     return captured
 
 
+def capture_finetune_qkv(folder: str, length: int, layers: list[int], task: str = "niah_single_1",
+                         num_samples: int = 2, sample: int = 0) -> tuple[dict[int, tuple], float]:
+    """The entmax op's inputs in ``layers`` of a fine-tune (a ``hf-sparse-attn finetune`` output folder of an
+    entmax-family method) on one RULER sample, as the demo's runner scores it: ``({layer: (q, k, v, scale)},
+    alpha)`` where ``q`` is the query as the op receives it (asentmax: already multiplied by the learned scale
+    θ = δ + β·ln n). The sample is sample ``sample`` of ``num_samples`` of ``task`` at ``length`` tokens (the
+    demo's seed), so ``niah_single_1`` 8192 sample 0 is the demo's ``niah_single_1-8192-0``."""
+    from hf_sparse_attn.tools.eval import ruler
+    from hf_sparse_attn.tools.finetune import load_finetuned
+    from hf_sparse_attn.tools.methods import entmax_variants
+    from hf_sparse_attn.tools.methods.entmax import method as entmax_method
+
+    model, tok, handle = load_finetuned(folder)
+    samples = ruler.generate_samples(task, tok, length, num_samples, seed=42)
+    ids = tok(samples[sample]["input"], return_tensors="pt")["input_ids"]
+    captured: dict[int, tuple] = {}
+    alphas: list[float] = []
+    order = iter(range(10**6))
+    originals = {mod: mod.entmax_attention for mod in (entmax_variants, entmax_method)}
+
+    def recorder(original):
+        def record(q, k, v, mask=None, **kw):
+            i = next(order)
+            if i in layers:
+                captured[i] = (q.detach().clone(), k.detach().clone(), v.detach().clone(), kw["scale"])
+                alphas.append(float(kw["alpha"]) if not torch.is_tensor(kw["alpha"]) else float(kw["alpha"][0]))
+            return original(q, k, v, mask, **kw)
+
+        return record
+
+    try:
+        for mod, original in originals.items():
+            mod.entmax_attention = recorder(original)
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=1)
+    finally:
+        for mod, original in originals.items():
+            mod.entmax_attention = original
+        handle.remove()
+    return captured, alphas[0]
+
+
 def _sdpa_math(q, k, v, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

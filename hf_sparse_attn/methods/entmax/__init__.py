@@ -18,10 +18,10 @@ from hf_sparse_attn.methods.entmax.method import (
 )
 from hf_sparse_attn.methods.entmax.variants import ASENTMAX_METHOD, SSMAX_METHOD
 from hf_sparse_attn.ops.entmax.attention import entmax_attention, entmax_attention_reference
+from hf_sparse_attn.ops.entmax.cpu_tiles import TILE, TILE_HIDDEN, TILE_NONZERO, TILE_ZERO, tile_fractions
 from hf_sparse_attn.ops.entmax.masks import key_counts
 from hf_sparse_attn.ops.entmax.naive import ALPHA_MIN_LEARNED, alpha_mode, entmax, sparsemax
 from hf_sparse_attn.ops.entmax.op import entmax_bwd, entmax_fwd
-from hf_sparse_attn.ops.entmax.tiles_cpu import TILE, TILE_HIDDEN, TILE_NONZERO, TILE_ZERO, tile_fractions
 
 METHODS = (METHOD, SPARSEMAX_METHOD, ASENTMAX_METHOD, SSMAX_METHOD)
 

@@ -9,8 +9,8 @@ import torch
 from hf_sparse_attn.core.checks import check_range
 from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
 from hf_sparse_attn.ops.entmax.attention import entmax_attention
+from hf_sparse_attn.ops.entmax.cpu_tiles import tile_fractions
 from hf_sparse_attn.ops.entmax.naive import ALPHA_MIN_LEARNED
-from hf_sparse_attn.ops.entmax.tiles_cpu import tile_fractions
 
 
 @dataclass

@@ -1,18 +1,20 @@
 """The entmax custom ops ``torch.ops.hf_sparse_attn.entmax_fwd`` / ``entmax_bwd``: CPU (and default) = the tiled
-PyTorch path of :mod:`.tiles_cpu`; CUDA = the Triton kernels of ``hf_sparse_attn.ops.entmax.triton`` where
-they apply (causal + window / left padding, head_dim 64/128/256), else the PyTorch path (logged once)."""
+PyTorch path of :mod:`.cpu_forward` / :mod:`.cpu_backward`; CUDA = the Triton kernels (:mod:`.triton`) where they
+apply (causal + window / left padding, head_dim 64/128/256), else the PyTorch path (logged once)."""
 
 import torch
 
 from hf_sparse_attn.core.log import log_once
-from hf_sparse_attn.ops.entmax import dense_cpu, tiles_cpu
-from hf_sparse_attn.ops.entmax.tiles_cpu import blockwise_backward, blockwise_forward, tile_grid
+from hf_sparse_attn.ops.entmax import dense_cpu
+from hf_sparse_attn.ops.entmax.cpu_backward import blockwise_backward
+from hf_sparse_attn.ops.entmax.cpu_forward import SUPPORT_KEYS, blockwise_forward
+from hf_sparse_attn.ops.entmax.cpu_tiles import tile_grid
 
 
 def _backward_cpu(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal, mode,
                   need_dalpha, support):
     """The PyTorch backward: on dense row chunks where most rows keep more keys than the lists hold (α near 1,
-    :mod:`.dense_cpu`), else over the rows' support lists and the non-zero tiles (:mod:`.tiles_cpu`)."""
+    :mod:`.dense_cpu`), else over the rows' support lists and the non-zero tiles (:mod:`.cpu_backward`)."""
     if dense_cpu.runs_dense(support, tiles):
         return dense_cpu.dense_backward(dout, q, k, v, alpha, tau, norm, first_valid, mask, scale, softcap, window,
                                         causal, mode, need_dalpha)
@@ -44,7 +46,7 @@ def entmax_fwd(
     unless ``want_stats``), the tile mask (B,Hq,⌈Sq/64⌉,⌈Skv/64⌉) uint8 (0 no visible key, 1 all weights zero,
     2 non-zero: the backward visits the 2s only) and diag (2,) float32 = [τ updates, max |Σp - 1| before the final
     renormalisation] (NaN where the implementation does not measure them), then the support keys: with
-    ``keep_support`` (CPU) an int32 (B,Hq,Sq,``tiles_cpu.SUPPORT_KEYS``) list of each row's non-zero keys (-1
+    ``keep_support`` (CPU) an int32 (B,Hq,Sq,``cpu_forward.SUPPORT_KEYS``) list of each row's non-zero keys (-1
     padding; -2 in slot 0: more than fit, the backward recomputes that row's tiles), else an empty tensor.
 
     ``alpha`` (Hq,) per-head α; ``mode`` 1 / 2 promise α = 1.5 / 2 everywhere (closed forms), 0 general.
@@ -57,7 +59,7 @@ def entmax_fwd(
 
 
 def _support_shape(q: torch.Tensor, keep_support: bool) -> tuple[int, ...]:
-    return (*q.shape[:3], tiles_cpu.SUPPORT_KEYS) if keep_support else (0,)
+    return (*q.shape[:3], SUPPORT_KEYS) if keep_support else (0,)
 
 
 @entmax_fwd.register_fake

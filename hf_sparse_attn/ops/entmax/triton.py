@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from hf_sparse_attn.ops.entmax.tiles_cpu import TILE, tile_grid
+from hf_sparse_attn.ops.entmax.cpu_tiles import TILE, tile_grid
 from hf_sparse_attn.ops.entmax.triton_bwd import (
     _entmax_bwd_dkdv_kernel,
     _entmax_bwd_dq_kernel,
@@ -44,7 +44,7 @@ WARPS_16BIT = 4
 
 
 def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``ops.entmax.tiles_cpu.TILE``); 8 warps
+    """(BLOCK_M, BLOCK_N, num_warps): the tile mask's 64×64 geometry (``ops.entmax.cpu_tiles.TILE``); 8 warps
     at head_dim 256 and in fp32, else :data:`WARPS_16BIT`."""
     return TILE, TILE, 8 if (head_dim >= 256 or dtype == torch.float32) else WARPS_16BIT
 

@@ -19,7 +19,7 @@ from hf_sparse_attn.core.masks import LeftPadding
 from hf_sparse_attn.functional import sparse_attention
 from hf_sparse_attn.methods import entmax as E
 from hf_sparse_attn.ops.dense import dense_attention
-from hf_sparse_attn.ops.entmax import dense_cpu, tiles_cpu
+from hf_sparse_attn.ops.entmax import cpu_backward, cpu_forward, cpu_tau, cpu_tiles, dense_cpu
 
 F64 = torch.float64
 
@@ -31,6 +31,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _set_tile(monkeypatch, tile: int) -> None:
+    """The tile size of the CPU path (its query rows and keys per tile), in every module that reads it."""
+    for mod in (cpu_tiles, cpu_forward, cpu_backward, cpu_tau, dense_cpu):
+        if hasattr(mod, "TILE"):
+            monkeypatch.setattr(mod, "TILE", tile)
 
 
 def _qkv(b=2, hq=4, hkv=2, sq=7, skv=7, d=8, dtype=torch.float32, grad=False, seed=0, std=1.0):
@@ -112,9 +119,9 @@ def _force_path(monkeypatch, path: str) -> None:
     (:mod:`dense_cpu`)."""
     monkeypatch.setattr(dense_cpu, "DENSE_ROWS", -1.0 if path == "rows" else 2.0)
     if path in ("dense", "dense_lists"):
-        monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)
-        monkeypatch.setattr(tiles_cpu, "_DENSE_ENTRIES", -1.0)
-        monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", 2.0 if path == "dense_lists" else -1.0)
+        monkeypatch.setattr(cpu_forward, "_DENSE_PAIRS", -1.0)
+        monkeypatch.setattr(cpu_backward, "_DENSE_ENTRIES", -1.0)
+        monkeypatch.setattr(cpu_forward, "_LIST_ENTRIES", 2.0 if path == "dense_lists" else -1.0)
 
 
 PATHS = ["lists", "dense", "dense_lists", "rows"]
@@ -127,11 +134,11 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path):
     """Forward and gradients equal the reference on every path (:func:`_force_path`)."""
     b, hq, hkv, sq, skv, window, softcap = case
     _force_path(monkeypatch, path)
-    monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)  # one tile per chunk
-    monkeypatch.setattr(tiles_cpu, "TILE", 4)  # many tiles
-    monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
-    monkeypatch.setattr(tiles_cpu, "_ENTRY_SLICE", 5)  # several entry slices, cut at row starts
-    monkeypatch.setattr(tiles_cpu, "_NARROW", 2)  # rows whose support outgrows the first sorted entries
+    monkeypatch.setattr(cpu_tiles, "_CHUNK_ELEMS", 64)  # one tile per chunk
+    _set_tile(monkeypatch, 4)  # many tiles
+    monkeypatch.setattr(cpu_forward, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
+    monkeypatch.setattr(cpu_backward, "_ENTRY_SLICE", 5)  # several entry slices, cut at row starts
+    monkeypatch.setattr(cpu_tau, "_NARROW", 2)  # rows whose support outgrows the first sorted entries
     q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True)
     kw = dict(alpha=alpha, scale=0.8, softcap=softcap, sliding_window=window)
     out = E.entmax_attention(q, k, v, None, **kw)
@@ -149,13 +156,13 @@ def test_dense_chunks_with_flat_and_peaked_kv_heads_equal_the_reference(monkeypa
     """A dense forward chunk whose KV heads differ (one flat: τ on its dense rows; one peaked: τ on the list of its
     entries above the bound), fp64, with gradients (the support lists of both kinds of rows): equal to the
     reference."""
-    monkeypatch.setattr(tiles_cpu, "_DENSE_PAIRS", -1.0)  # every chunk takes the dense branch
-    monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", 0.3)
-    monkeypatch.setattr(tiles_cpu, "TILE", 4)
-    monkeypatch.setattr(tiles_cpu, "SUPPORT_KEYS", 3)
+    monkeypatch.setattr(cpu_forward, "_DENSE_PAIRS", -1.0)  # every chunk takes the dense branch
+    monkeypatch.setattr(cpu_forward, "_LIST_ENTRIES", 0.3)
+    _set_tile(monkeypatch, 4)
+    monkeypatch.setattr(cpu_forward, "SUPPORT_KEYS", 3)
     solved = []
-    dense_rows_probs = tiles_cpu._dense_rows_probs
-    monkeypatch.setattr(tiles_cpu, "_dense_rows_probs",
+    dense_rows_probs = cpu_forward._dense_rows_probs
+    monkeypatch.setattr(cpu_forward, "_dense_rows_probs",
                         lambda *a: (lambda r: solved.append((r[3] is None, r[4] is None)) or r)(dense_rows_probs(*a)))
     q, k, v = _qkv(1, 4, 2, 40, 40, dtype=F64)
     q = (q * torch.tensor([0.01, 0.01, 8.0, 8.0], dtype=F64)[None, :, None, None]).requires_grad_()
@@ -175,8 +182,8 @@ def test_one_query_step_equals_the_reference_and_the_chunked_path(monkeypatch, a
     """A decode step without padding, mask or window takes the lean one-query forward (counted); its output equals
     the reference (fp64 1e-10, fp32 1e-5), and its τ, support sizes and tile mask those of the chunked path."""
     taken = []
-    one_query = tiles_cpu._one_query_forward
-    monkeypatch.setattr(tiles_cpu, "_one_query_forward", lambda *a: taken.append(1) or one_query(*a))
+    one_query = cpu_forward._one_query_forward
+    monkeypatch.setattr(cpu_forward, "_one_query_forward", lambda *a: taken.append(1) or one_query(*a))
     a = torch.linspace(1.2, 1.9, hq, dtype=F64) if alpha == "per-head" else alpha
     mode = {1.5: 1, 2.0: 2}.get(alpha, 0)
     for dtype, tol in ((F64, 1e-10), (torch.float32, 1e-5)):
@@ -188,8 +195,8 @@ def test_one_query_step_equals_the_reference_and_the_chunked_path(monkeypatch, a
         assert (out.double() - ref).abs().max() < tol
         al = (a if alpha == "per-head" else torch.full((hq,), alpha, dtype=F64)).to(dtype)
         args = (q, k, v, al, torch.full((2, 1), skv), None, None, 0.8, softcap or 0.0, 0, True, mode, True)
-        lean = tiles_cpu.blockwise_forward(*args)
-        chunked = tiles_cpu.blockwise_forward(*args, keep_support=True)  # the support lists: not the lean path
+        lean = cpu_forward.blockwise_forward(*args)
+        chunked = cpu_forward.blockwise_forward(*args, keep_support=True)  # the support lists: not the lean path
         assert (lean[1] - chunked[1]).abs().max() <= 1e3 * tol * chunked[1].abs().max()
         assert torch.equal(lean[3], chunked[3]) and torch.equal(lean[4], chunked[4])
     assert len(taken) == 4  # entmax_attention and the first blockwise call, in fp64 and fp32
@@ -199,9 +206,9 @@ def test_one_query_step_equals_the_reference_and_the_chunked_path(monkeypatch, a
 def test_threaded_backward_is_bit_identical_run_to_run(monkeypatch, path):
     """Work split over worker threads never changes a sum's order: two runs give the same bits (fp32)."""
     _force_path(monkeypatch, path)
-    monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 512)  # several row chunks for the dense backward's workers
-    monkeypatch.setattr(tiles_cpu, "TILE", 4)
-    monkeypatch.setattr(tiles_cpu, "_ENTRY_SLICE", 7)  # many backward tasks for the workers
+    monkeypatch.setattr(cpu_tiles, "_CHUNK_ELEMS", 512)  # several row chunks for the dense backward's workers
+    _set_tile(monkeypatch, 4)
+    monkeypatch.setattr(cpu_backward, "_ENTRY_SLICE", 7)  # many backward tasks for the workers
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -244,10 +251,10 @@ def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(
     live = torch.ones(48, dtype=torch.bool)
     tau0 = torch.full((48,), -1.0, dtype=F64)  # a lower bound: the row max alone gives Σ [x - τ]_+^e >= 1
     seen = []
-    newton = tiles_cpu._tau_newton
-    monkeypatch.setattr(tiles_cpu, "_tau_newton", lambda x, row, *a: seen.append(row is None) or newton(x, row, *a))
-    monkeypatch.setattr(tiles_cpu, "_LIST_ENTRIES", list_entries)
-    monkeypatch.setattr(tiles_cpu, "_SLICE_ELEMS", 5 * 300)  # slices of 5 rows within groups of 16
+    newton = cpu_tau.tau_newton
+    monkeypatch.setattr(cpu_forward, "tau_newton", lambda x, row, *a: seen.append(row is None) or newton(x, row, *a))
+    monkeypatch.setattr(cpu_forward, "_LIST_ENTRIES", list_entries)
+    monkeypatch.setattr(cpu_forward, "_SLICE_ELEMS", 5 * 300)  # slices of 5 rows within groups of 16
     x = s - top[:, None]
     p = torch.zeros_like(s)
     slices = []
@@ -256,7 +263,7 @@ def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(
         slices.append((r0, r1))
         p[r0:r1] = probs
 
-    total, tau, updates, listed, dense_rows = tiles_cpu._dense_rows_probs(
+    total, tau, updates, listed, dense_rows = cpu_forward._dense_rows_probs(
         s.clone(), top, top + tau0, tau0, hi, live, em1, F64, 16, consume)
     dense_groups = {-1.0: [0, 1, 2], 2.0: [], 0.5: [0]}[list_entries]
     assert sorted({r0 // 16 for r0, _ in slices}) == dense_groups
@@ -313,13 +320,13 @@ def test_pow_support_integer_exponents_by_multiplication(e):
     # integer exponents (e = 4 / e - 1 = 3 at α = 1.25) are multiplied out; 9 and 2.5 take the exp2/log2 form;
     # all give d^e on the support, exact zeros off it (also for e = 0), and a new tensor
     d = torch.rand(4, 257).mul_(3).sub_(1).clamp_(min=0)
-    p = tiles_cpu._pow_support(d, e)
+    p = cpu_tiles.pow_support(d, e)
     ref = torch.where(d > 0, d.double().pow(e), 0.0)
     assert p.data_ptr() != d.data_ptr() and torch.equal(p == 0, d == 0)
     assert torch.allclose(p.double(), ref, rtol=2e-6, atol=0)
     # into a given buffer (the dense Newton evaluations reuse one): the same values, written there, d untouched
     d0, buf = d.clone(), torch.full_like(d, float("nan"))
-    q = tiles_cpu._pow_support(d, e, buf)
+    q = cpu_tiles.pow_support(d, e, buf)
     assert q.data_ptr() == buf.data_ptr() and torch.equal(q, p) and torch.equal(d, d0)
 
 
@@ -328,7 +335,7 @@ def test_count_true_per_row(n):
     # byte sums in groups of 64 (n a multiple of 64) or a plain sum: the count of True per row either way
     mask = torch.rand(7, n) > 0.3
     mask[0] = True  # a full row: 64 per byte group, still below the uint8 limit
-    assert torch.equal(tiles_cpu._count_true(mask), mask.sum(-1))
+    assert torch.equal(cpu_forward._count_true(mask), mask.sum(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -344,8 +351,8 @@ def test_half_inputs_compute_in_fp32(dtype):
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_under_left_padding_and_bool_masks_equal_the_reference(monkeypatch, path):
     _force_path(monkeypatch, path)
-    monkeypatch.setattr(tiles_cpu, "_CHUNK_ELEMS", 64)
-    monkeypatch.setattr(tiles_cpu, "TILE", 4)
+    monkeypatch.setattr(cpu_tiles, "_CHUNK_ELEMS", 64)
+    _set_tile(monkeypatch, 4)
     q, k, v = _qkv(2, 4, 2, 6, 10, dtype=F64, grad=True)
     alpha = torch.tensor([1.2, 1.5, 1.7, 2.0], dtype=F64, requires_grad=True)
     mask = torch.rand(2, 1, 6, 10, generator=torch.Generator().manual_seed(1)) > 0.5

@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent(
     from hf_sparse_attn.ops.entmax import triton as T
     from hf_sparse_attn.core.masks import LeftPadding
     from hf_sparse_attn.methods import entmax as E
-    from hf_sparse_attn.ops.entmax.tiles_cpu import tile_grid
+    from hf_sparse_attn.ops.entmax.cpu_tiles import tile_grid
 
     def run(alpha, hq, hkv, sq, skv, d, softcap, window, fv, dtype, tol=1e-6, pack=False):
         g = torch.Generator().manual_seed(0)
