@@ -37,9 +37,9 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports(name: str, path: Path, modules: dict[str, Path], unknown: list[str] | None = None) -> set[str]:
     """Package modules ``name`` imports anywhere in its file (``from x import y`` counts ``x.y`` when that is a
-    module, else ``x``)."""
+    module, else ``x``); imports of ``hf_sparse_attn.*`` modules that do not exist are added to ``unknown``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -54,6 +54,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         else:
             continue
         out.update(t for t in targets if t in modules and t != name)
+        if unknown is not None:
+            unknown += [f"{name}: {t}" for t in targets if t.startswith("hf_sparse_attn") and t not in modules]
     return out
 
 
@@ -94,6 +96,13 @@ def _find_cycle() -> list[str] | None:
 def test_the_graph_sees_the_package():
     assert len(GRAPH) > 50 and "hf_sparse_attn.ops.block_sparse.op" in GRAPH
     assert "hf_sparse_attn.ops.block_sparse.naive" in GRAPH["hf_sparse_attn.ops.block_sparse.op"]
+
+
+def test_every_package_import_resolves():
+    modules, unknown = _modules(), []
+    for name, path in modules.items():
+        _imports(name, path, modules, unknown)
+    assert not unknown, f"imports of modules that do not exist: {unknown}"
 
 
 def test_no_import_cycle():

@@ -68,10 +68,10 @@ def capture_finetune_qkv(folder: str, length: int, layers: list[int], task: str 
     alpha)`` where ``q`` is the query as the op receives it (asentmax: already multiplied by the learned scale
     θ = δ + β·ln n). The sample is sample ``sample`` of ``num_samples`` of ``task`` at ``length`` tokens (the
     demo's seed), so ``niah_single_1`` 8192 sample 0 is the demo's ``niah_single_1-8192-0``."""
-    from hf_sparse_attn.tools.eval import ruler
-    from hf_sparse_attn.tools.finetune import load_finetuned
-    from hf_sparse_attn.tools.methods import entmax_variants
-    from hf_sparse_attn.tools.methods.entmax import method as entmax_method
+    from hf_sparse_attn.eval import ruler
+    from hf_sparse_attn.finetune import load_finetuned
+    from hf_sparse_attn.methods.entmax import method as entmax_method
+    from hf_sparse_attn.methods.entmax import variants as entmax_variants
 
     model, tok, handle = load_finetuned(folder)
     samples = ruler.generate_samples(task, tok, length, num_samples, seed=42)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_sparse_attn.ops.base import log_once
+from hf_sparse_attn.core.log import log_once
 from hf_sparse_attn.ops.entmax.cpu_tiles import pow_support
-from hf_sparse_attn.ops.entmax.rowwise import _tau_sorted
+from hf_sparse_attn.ops.entmax.naive import _tau_sorted
 
 _NARROW = 16  # sorted entries per row the closed form looks at first
 _TILE_NEWTON = 3  # Newton steps on the tile maxima for the lower bound τ₀

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from hf_sparse_attn.cpu_threads import parallel_map
+from hf_sparse_attn.core.threads import parallel_map
 
 TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
 TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
@@ -23,7 +23,7 @@ _MAX_WORKERS: int | None = None  # cap on the worker threads (None: torch.get_nu
 
 def run_workers(tasks: list, fn, init) -> list:
     """Run ``fn(task, state)`` for every task on up to ``torch.get_num_threads()`` threads of the shared CPU pool
-    (:mod:`hf_sparse_attn.cpu_threads`), each with its own ``state = init()``, torch single-threaded meanwhile
+    (:mod:`hf_sparse_attn.core.threads`), each with its own ``state = init()``, torch single-threaded meanwhile
     (intra-op threads on these mid-sized ops cost more in synchronisation than they gain). Worker ``w`` runs tasks
     ``w, w + n, ...`` in order, so every sum is taken in the same order run to run (bit-identical results).
     Returns the states (one per worker)."""
