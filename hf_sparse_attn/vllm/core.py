@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import threading
+import types
 from collections import deque
 from typing import Any
 
@@ -85,6 +86,7 @@ class _Heads(torch.nn.Module):
     def __init__(self, num_heads: int):
         super().__init__()
         self.num_heads = num_heads
+        self.config = types.SimpleNamespace(num_attention_heads=num_heads)
 
 
 @functools.lru_cache(maxsize=4)
