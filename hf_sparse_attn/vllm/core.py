@@ -130,7 +130,8 @@ class LayerRunner:
 
     def __init__(self, options: Options, *, layer_name: str | None, num_heads: int, num_kv_heads: int,
                  head_size: int, scale: float, sliding_window: int | None, softcap: float | None,
-                 device: torch.device, tp_rank: int = 0, tp_size: int = 1, unsupported: str | None = None):
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None,
+                 unsupported: str | None = None):
         self.options = options
         self.layer_idx = layer_index(layer_name)
         self.layer_name = layer_name
@@ -153,6 +154,13 @@ class LayerRunner:
         if options.method == "bfla":
             self.min_len = bfla_min_len(options, device)
             config = dataclasses.replace(config, min_seq_len=0)  # the plugin gates on the total length
+            if config.head_lists == "auto" and tp_size > 1:
+                # bfla's "auto" looks at the layer's KV heads; under tensor parallelism decide as the whole model
+                # would (one KV head for all query heads: per-query-head lists), so every rank plans its heads as
+                # the unsplit layer does
+                total_kv = total_kv_heads or num_kv_heads * tp_size
+                per_head = total_kv == 1 and num_heads * tp_size > 1
+                config = dataclasses.replace(config, head_lists="head" if per_head else "group")
         self.state = LayerState(method=self.method, config=config, layer_idx=self.layer_idx or 0,
                                 sparse_eligible=self.sliding_window is None)
         if self.active and self.method.init_layer is not None:

@@ -69,6 +69,9 @@ class ServingMixin:
         cfg = get_current_vllm_config_or_none()
         self.hsa_options = engine_options(cfg)
         self.hsa_tp = tensor_parallel(cfg) if self.hsa_options is not None else (0, 1)
+        self.hsa_total_kv_heads = None
+        if self.hsa_options is not None and getattr(cfg, "model_config", None) is not None:
+            self.hsa_total_kv_heads = cfg.model_config.get_total_num_kv_heads()
         self.hsa_runner = None
 
     def _window(self) -> int | None:
@@ -105,7 +108,7 @@ class ServingMixin:
                 opts, layer_name=getattr(layer, "layer_name", None), num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,
                 sliding_window=self._window(), softcap=self.logits_soft_cap or None, device=self._device(),
-                tp_rank=rank, tp_size=size, unsupported=self._unsupported(),
+                tp_rank=rank, tp_size=size, total_kv_heads=self.hsa_total_kv_heads, unsupported=self._unsupported(),
             )
             if self.hsa_runner.active:
                 STATS.configure(opts, self.hsa_runner.layer_idx)

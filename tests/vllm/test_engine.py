@@ -19,7 +19,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
-from hf_sparse_attn.vllm import CONFIG_KEY  # noqa: E402
+from hf_sparse_attn.vllm import CONFIG_KEY, worker_report  # noqa: E402
 
 MAX_TOKENS = 8
 VOCAB = 512
@@ -65,9 +65,10 @@ def _generate(model, prompts, extra=None, max_tokens=MAX_TOKENS, **kw):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         tokens = [list(o.outputs[0].token_ids) for o in outs]
+        reports = llm.collective_rpc(worker_report)
         info = {
-            "impls": llm.collective_rpc(_worker_impls),
-            "stats": llm.collective_rpc(_worker_stats),
+            "impls": [r["attention_impls"] for r in reports],
+            "stats": [r["stats"] for r in reports],
             "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
         }
     finally:
@@ -75,18 +76,6 @@ def _generate(model, prompts, extra=None, max_tokens=MAX_TOKENS, **kw):
         gc.collect()
         cleanup_dist_env_and_memory()
     return tokens, info
-
-
-def _worker_impls(worker):
-    return sorted({type(m.impl).__name__ for m in worker.model_runner.model.modules() if hasattr(m, "impl")})
-
-
-def _worker_stats(worker):
-    import hf_sparse_attn.vllm as hv
-
-    out = hv.stats()
-    hv.reset_stats()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +163,19 @@ def test_bad_option_is_a_clear_error_at_engine_start(tiny_model):
         _generate(tiny_model, [[5, 6, 7]], {"method": "bfla", "keep_mass": 2})
     with pytest.raises(ValueError, match=r"method='bfla2' is not allowed; allowed values"):
         _generate(tiny_model, [[5, 6, 7]], {"method": "bfla2"})
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(tiny_model, monkeypatch):
+    """``tensor_parallel_size=2`` (gloo, one core per rank; 2 query / 1 KV heads per rank): the same tokens as one
+    rank, dense and bfla (bfla plans every rank's heads as the unsplit layer does)."""
+    bfla = {"method": "bfla", "min_seq_len": 512, "block_size": 64, "keep_mass": 0.5, "flat_entropy": 1.0,
+            "dense_density": 1.0}
+    prompts = _prompts()[:3]
+    expected = {name: _generate(tiny_model, prompts, extra)[0] for name, extra in (("dense", None), ("bfla", bfla))}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function to the workers
+    for name, extra in (("dense", {"method": "dense"}), ("bfla", bfla)):
+        tokens, info = _generate(tiny_model, prompts, extra, tensor_parallel_size=2)
+        assert len(info["stats"]) == 2 and all(s["method"] == extra["method"] for s in info["stats"])
+        assert tokens == expected[name], name
