@@ -25,14 +25,20 @@ setup: $(STAMP)
 ## The test suite (CPU; Triton kernels run under TRITON_INTERPRET=1). Slow real-model checks: `make test-slow`.
 ## Two pytest-xdist workers, one test file each at a time: the interpreter tests are single-threaded Python, so one
 ## worker alone leaves a core idle (tests/conftest.py gives each worker its share of torch threads).
+## Then the vLLM plugin's engine tests in .venv-vllm (made on first use, ~2 min; the tests ~1 min; VLLM_TESTS=0 skips
+## this step). The plugin's other tests (tests/vllm/test_options.py, test_paged.py) need no vLLM and run above.
 TEST_WORKERS ?= 2
+VLLM_TESTS ?= 1
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+ifneq ($(VLLM_TESTS),0)
+	$(MAKE) test-vllm VLLM_TEST_PATHS=tests/vllm/test_engine.py
+endif
 
 ## The same suite against the oldest supported releases, transformers 5.17 and Triton 3.6 (what the GPU machines
 ## have), in .venv-oldest. Triton 3.6's interpreter cannot run the kernels: those tests skip there (and say why).
 test-oldest:
-	$(MAKE) test VENV=.venv-oldest PINS="transformers==5.17.0 triton==3.6.0"
+	$(MAKE) test VENV=.venv-oldest PINS="transformers==5.17.0 triton==3.6.0" VLLM_TESTS=0
 
 test-slow: setup
 	$(VENV)/bin/pytest -q -m slow
@@ -74,15 +80,15 @@ $(VLLM_STAMP): pyproject.toml
 
 setup-vllm: $(VLLM_STAMP)
 
-## The plugin's tests inside vLLM (tiny random-weight model, CPU). In `make test` they skip (no vllm in .venv).
-## Real-model checks (SmolLM2, Gemma 3 270M): `make test-vllm-slow`.
+## The plugin's tests inside vLLM (tiny random-weight model, CPU, all cores). In .venv (no vllm) the engine tests
+## skip. `make test-vllm-slow`: tensor_parallel_size=2 (~2 min). Real models: benchmarks/vllm_check.py (docs/vllm.md).
+VLLM_TEST_PATHS ?= tests/vllm
+VLLM_BIND = $${VLLM_CPU_OMP_THREADS_BIND:-0-$$(( $$(nproc) - 1 ))}
 test-vllm: setup-vllm
-	VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-0-$$(( $$(nproc) - 1 ))} $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider \
-	  -m "not slow" tests/vllm
+	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_BIND) $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" $(VLLM_TEST_PATHS)
 
 test-vllm-slow: setup-vllm
-	VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-0-$$(( $$(nproc) - 1 ))} $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider \
-	  -m slow tests/vllm
+	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_BIND) $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m slow $(VLLM_TEST_PATHS)
 
 bench: setup
 	$(VENV)/bin/hf-sparse-attn bench
