@@ -41,19 +41,20 @@ def model_folder(name: str) -> str:
     return str(out)
 
 
-def prompts(folder: str, lengths: list[int]):
+def prompts(folder: str, lengths: list[int], depths: list[float]):
     from transformers import AutoTokenizer
 
     from hf_sparse_attn.prose import needle_prompt, passphrase_needle
 
     tok = AutoTokenizer.from_pretrained(folder)
     out = []
-    for i, n in enumerate(lengths):
-        word, number, subject = NEEDLES[i % len(NEEDLES)]
-        needle = passphrase_needle(word, number, subject)
-        p = needle_prompt(tok, n, depth=0.35, needle=needle, text="network")
-        ids = tok(p["input"], add_special_tokens=p["add_special_tokens"])["input_ids"]
-        out.append({"length": n, "ids": ids, "answer": needle.answer})
+    for n in lengths:
+        for depth in depths:
+            word, number, subject = NEEDLES[len(out) % len(NEEDLES)]
+            needle = passphrase_needle(word, number, subject)
+            p = needle_prompt(tok, n, depth=depth, needle=needle, text="network")
+            ids = tok(p["input"], add_special_tokens=p["add_special_tokens"])["input_ids"]
+            out.append({"length": n, "depth": depth, "ids": ids, "answer": needle.answer})
     return tok, out
 
 
@@ -80,7 +81,7 @@ def run(folder, config_name, items, args):
         llm.reset_prefix_cache()
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=it["ids"])], sp, use_tqdm=False)[0]
-        rows.append({"length": len(it["ids"]), "seconds": round(time.perf_counter() - t, 2),
+        rows.append({"length": len(it["ids"]), "depth": it["depth"], "seconds": round(time.perf_counter() - t, 2),
                      "tokens": list(out.outputs[0].token_ids), "answer": it["answer"]})
     report = llm.collective_rpc(worker_report)[0]
     concurrent = None
@@ -97,11 +98,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.35], help="needle depths (one prompt each)")
     ap.add_argument("--configs", nargs="+", default=["plain", "dense", "bfla"], choices=list(CONFIGS))
     ap.add_argument("--options", default=None,
                     help="JSON merged into every plugin config, e.g. '{\"min_seq_len\": 4096}'")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--batched-tokens", type=int, default=None, help="max_num_batched_tokens (default: vLLM's)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True")
@@ -110,7 +112,7 @@ def main():
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(worker_report)
     folder = model_folder(args.model)
-    tok, items = prompts(folder, args.lengths)
+    tok, items = prompts(folder, args.lengths, args.depths)
     results = [run(folder, c, items, args) for c in args.configs]
     base = results[0]
     for res in results:
@@ -118,8 +120,9 @@ def main():
         for row, ref in zip(res["rows"], base["rows"], strict=True):
             text = tok.decode(row["tokens"], skip_special_tokens=True)
             found = row["answer"] in text
-            print(f"  {row['length']:>6} tokens  {row['seconds']:>7.2f} s  same tokens as {base['config']}: "
-                  f"{row['tokens'] == ref['tokens']}  answer {'found' if found else 'MISSING'}: {text.strip()!r}")
+            print(f"  {row['length']:>6} tokens depth {row['depth']:.2f} {row['seconds']:>7.2f} s  same tokens as "
+                  f"{base['config']}: {row['tokens'] == ref['tokens']}  answer {'found' if found else 'MISSING'}: "
+                  f"{text.strip()!r}")
         for p in res["prefills"]:
             if p.get("vllm"):
                 print(f"    prefill q={p['query_len']} kv={p['seq_len']}: vLLM ({p['vllm']})")

@@ -103,13 +103,13 @@ def test_dense_through_the_plugin_equals_vllm(tiny_model, plain):
 def test_dense_under_preemption_equals_vllm(tiny_model, monkeypatch):
     """A KV cache of 12 blocks (of 128 tokens) for six requests growing by 160 tokens each (~30 blocks): vLLM
     preempts and recomputes; the shadow cache follows (same slots); the tokens stay those of vLLM's own backend
-    with a cache that needs no preemption."""
+    with a cache that needs no preemption. Prefix caching off here (on everywhere else)."""
     expected, _ = _generate(tiny_model, _prompts(), max_tokens=160)
     block = 2 * 2 * 128 * 32 * 2 * 4  # layers · KV heads · tokens · (K+V)·D · fp32 bytes
     budget = 2 * 12 * block  # dense: half for vLLM's cache, half for the shadow
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would override kv_cache_memory_bytes
     tokens, info = _generate(tiny_model, _prompts(), {"method": "dense"}, kv_cache_memory_bytes=budget,
-                             max_model_len=1200, max_tokens=160)
+                             max_model_len=1200, max_tokens=160, enable_prefix_caching=False)
     assert info["preemptions"] > 0
     assert tokens == expected
 
