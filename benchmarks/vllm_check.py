@@ -52,7 +52,8 @@ def prompts(folder: str, lengths: list[int], depths: list[float]):
         for depth in depths:
             word, number, subject = NEEDLES[len(out) % len(NEEDLES)]
             needle = passphrase_needle(word, number, subject)
-            p = needle_prompt(tok, n, depth=depth, needle=needle, text="network")
+            p = needle_prompt(tok, n, depth=depth, needle=needle, text="network",
+                              chat_template=getattr(tok, "chat_template", None) is not None)
             ids = tok(p["input"], add_special_tokens=p["add_special_tokens"])["input_ids"]
             out.append({"length": n, "depth": depth, "ids": ids, "answer": needle.answer})
     return tok, out

@@ -74,3 +74,23 @@ def test_from_pretrained_folder(tmp_path):
     assert _opts(from_pretrained=str(tmp_path), gamma=2.0).config.gamma == 2.0  # given keys override the saved config
     with pytest.raises(ValueError, match="differs from the method 'asentmax' saved"):
         _opts(from_pretrained=str(tmp_path), method="entmax")
+
+
+def test_learned_parameters_cut_to_the_rank(tmp_path):
+    """Tensor parallelism: a rank serves its query heads, so it gets its slice of the saved per-head parameters."""
+    from safetensors.torch import save_file
+
+    from hf_sparse_attn.vllm.core import LayerRunner
+
+    (tmp_path / "hf_sparse_attn.json").write_text(json.dumps({"method": "asentmax", "config": {}}))
+    save_file({"layers.3.delta": torch.arange(4.0), "layers.3.beta": torch.arange(4.0) / 10},
+              str(tmp_path / "hf_sparse_attn.safetensors"))
+    o = _opts(from_pretrained=str(tmp_path))
+    kw = dict(num_kv_heads=1, head_size=32, scale=0.1, sliding_window=None, softcap=None, device=torch.device("cpu"))
+    r = LayerRunner(o, layer_name="model.layers.3.self_attn.attn", num_heads=2, tp_rank=1, tp_size=2, **kw)
+    assert r.active and r.state.params.delta.tolist() == [2.0, 3.0]
+    assert torch.allclose(r.state.params.beta, torch.tensor([0.2, 0.3]))
+    assert not LayerRunner(o, layer_name="model.layers.2.self_attn.attn", num_heads=4, **kw).active
+    with pytest.raises(ValueError, match="holds no parameters of layer 2"):
+        LayerRunner(_opts(from_pretrained=str(tmp_path), layers="all"), layer_name="model.layers.2.self_attn.attn",
+                    num_heads=4, **kw)
