@@ -132,7 +132,10 @@ class HsaCPUImpl(ServingMixin, CPUAttentionBackendImpl):
             return kv_cache
         shadow = self.hsa_shadow
         if shadow is None or shadow.shape != kv_cache.shape or shadow.dtype != kv_cache.dtype:
-            shadow = self.hsa_shadow = torch.zeros(kv_cache.shape, dtype=kv_cache.dtype)
+            # empty, not zeros: only written slots are ever read (a row reads its own blocks up to seq_len, written by
+            # do_kv_cache_update in this or an earlier step), and the OS commits the pages as they are written
+            # instead of a first request paying to zero the whole shadow
+            shadow = self.hsa_shadow = torch.empty(kv_cache.shape, dtype=kv_cache.dtype)
         return shadow
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
