@@ -44,7 +44,7 @@ def model_folder(name: str) -> str:
 def prompts(folder: str, lengths: list[int], depths: list[float]):
     from transformers import AutoTokenizer
 
-    from hf_sparse_attn.prose import needle_prompt, passphrase_needle
+    from hf_sparse_attn.testing.prose import needle_prompt, passphrase_needle
 
     tok = AutoTokenizer.from_pretrained(folder)
     out = []

@@ -151,7 +151,7 @@ def test_bfla_plan_and_attention_replay_in_a_cuda_graph():
     """The whole sparse path (the two plan launches, then the kernel) has fixed-size outputs and no host sync, so a
     CUDA graph captures it once and replays it on new Q/K/V in the same buffers; each replay equals the eager call
     on those inputs (the density rule is off in the eager call, as it is skipped under capture)."""
-    from hf_sparse_attn import sparse_attention
+    from hf_sparse_attn.functional import sparse_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(1, h, 1024, 64) for h in (8, 2, 2)]
