@@ -445,15 +445,18 @@ def test_alpha_near_one_approaches_softmax():
     assert (E.entmax_attention(q, k, v, None, alpha=1.5) - dense).abs().max() > 5e-2
 
 
-def test_noncontiguous_query_and_opcheck():
-    q, k, v = _qkv(1, 4, 2, 6, 6, 8)
-    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
-    assert not qt.is_contiguous()
-    assert torch.equal(E.entmax_attention(qt, k, v, None), E.entmax_attention(q, k, v, None))
+@pytest.mark.parametrize("sq", [6, 64])  # 64: K / V whole tiles (no padding copy)
+def test_noncontiguous_query_and_opcheck(sq):
+    q, k, v = _qkv(2, 4, 2, sq, sq, 8)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # as HF passes them
+    assert not qt.is_contiguous() and not vt.is_contiguous()
+    for alpha in (1.5, 1.25):
+        assert torch.equal(E.entmax_attention(qt, kt, vt, None, alpha=alpha),
+                           E.entmax_attention(q, k, v, None, alpha=alpha))
     alpha = torch.full((4,), 1.5)
-    nv = torch.arange(1, 7, dtype=torch.float32)[None]
+    nv = torch.arange(1, sq + 1, dtype=torch.float32)[None]
     torch.library.opcheck(
-        torch.ops.hf_sparse_attn.entmax_fwd.default, (qt, k, v, alpha, nv, None, None, 0.5, 0.0, 0, True, 1, True)
+        torch.ops.hf_sparse_attn.entmax_fwd.default, (qt, kt, vt, alpha, nv, None, None, 0.5, 0.0, 0, True, 1, True)
     )
 
 

@@ -94,6 +94,7 @@ class _Call:
     kt: torch.Tensor  # (B, Hkv, D, nkt·TILE): Kᵀ contiguous, zero columns past Skv (the last tile's padding)
     vc: torch.Tensor  # (B, Hkv, Skv, D) contiguous
     vpad: torch.Tensor  # (B·Hkv, nkt·TILE, D): V with zero rows past Skv
+    ksum: torch.Tensor | None  # (B, Hkv, Skv + 1, D) fp64: prefix sums of K (causal without softcap or masks)
     nv: torch.Tensor  # keys each row may see (B, Hkv, R, Sq)
     all_live: bool  # every row sees a key
     out: torch.Tensor
@@ -222,9 +223,11 @@ def _setup(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, wind
         keep_support=keep_support, am1_h=am1_h,
         am1_r_full=None if isinstance(am1_h, float) else am1_h.reshape(1, hkv, rep, 1).expand(b, hkv, rep, sq),
         qg=qg, qs=qg * (scale * am1_h) if not softcap else qg,
-        kt=kt, vc=v.to(ct).contiguous(), vpad=F.pad(v.to(ct), (0, 0, 0, nkt * TILE - skv)).view(b * hkv, -1, dh),
+        kt=kt, vc=v.to(ct).contiguous(), vpad=F.pad(v.to(ct), (0, 0, 0, nkt * TILE - skv)).reshape(b * hkv, -1, dh),
         nv=n_valid.to(ct).reshape(n_valid.shape[0], 1, 1, sq).expand(b, hkv, rep, sq),
         all_live=bool_mask is None and first_valid is None and bool((n_valid > 0).all()),
+        ksum=(F.pad(k.to(torch.float64), (0, 0, 1, 0)).cumsum(2)
+              if causal and not softcap and bool_mask is None and first_valid is None else None),
         out=torch.zeros(b, hkv, rep, sq, dh, dtype=ct, device=dev),
         tau_out=torch.full((b, hkv, rep, sq), torch.finfo(ct).max, dtype=ct, device=dev),
         norm_out=torch.ones(b, hkv, rep, sq, dtype=ct, device=dev),
@@ -282,11 +285,30 @@ def _chunk_scores(call: _Call, a: int, cc: int, worker: _Worker) -> _Chunk | Non
         em1 = 1.0 / am1_r - 1.0
     rel0 = initial_tau(tmax - top.unsqueeze(-1), call.mode, em1 if isinstance(em1, float) else em1.unsqueeze(-1),
                        call.ct)
-    thr = top + rel0 - TAU0_MARGIN[call.ct] * top.abs().clamp(min=1)
+    if call.ksum is not None:
+        rel0 = torch.maximum(rel0, _mean_bound(call, a, cc, top, am1_r))
+    rel0 -= TAU0_MARGIN[call.ct] * top.abs().clamp(min=1)  # below τ* despite rounding
+    thr = top + rel0
     if live is not None:
         thr = torch.where(live, thr, float("inf"))
     return _Chunk(a=a, cc=cc, t0=t0, nt=nt, kb=kb, ke=ke, kend=kend, s=s, tmax=tmax, top=top, live=live, em1=em1,
                   am1_r=am1_r, rel0=rel0, thr=thr, cand=tmax > thr.unsqueeze(1))
+
+
+def _mean_bound(call: _Call, a: int, cc: int, top: torch.Tensor, am1_r) -> torch.Tensor:
+    """A lower bound of τ relative to the row max ``top`` from the row's mean score: by Jensen (``[·]_+^e`` is
+    convex) ``Σ_j [s_j - τ]_+^e >= n·[mean s - τ]_+^e``, so ``τ = mean s - n^(1-α)`` has a sum >= 1. Tight on rows
+    near the uniform (where the tile maxima's bound is loose). The mean without a pass over the scores: ``q_i``
+    times the sum of the keys it sees (prefix sums of K, fp64)."""
+    b, hkv, rep = call.b, call.hkv, call.rep
+    pos = torch.arange(a, a + cc, device=top.device) + call.off  # absolute query positions
+    end = pos + 1
+    start = (pos - call.window + 1).clamp(min=0) if call.window > 0 else torch.zeros_like(pos)
+    keys = call.ksum.index_select(2, end) - call.ksum.index_select(2, start)  # (B, Hkv, cc, D)
+    total = torch.einsum("bhrcd,bhcd->bhrc", call.qs[:, :, :, a:a + cc].to(torch.float64), keys)
+    n = (end - start).to(torch.float64)
+    mean = (total / n).reshape(-1).to(top.dtype)
+    return mean - top - torch.pow(n.to(top.dtype).repeat(b * hkv * rep), -am1_r)
 
 
 def _upper_bound(call: _Call, ch: _Chunk) -> torch.Tensor:
