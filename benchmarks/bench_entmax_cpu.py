@@ -181,6 +181,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--cache", type=Path, default=_CACHE, help="folder of the captured inputs")
+    ap.add_argument("--export-gpu", type=Path, default=None,
+                    help="write the --layers of the capture (fp16, with alpha and scale) to this file for the GPU "
+                         "check (benchmarks/gpu_check_entmax.sh reads gpu_inputs/qkv_*.safetensors) and stop")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -189,6 +192,16 @@ def main() -> None:
         data = capture(max(args.lengths), args.layers, args.cache)
     elif args.source == "finetune":
         data, args.alpha = capture_finetune(8192, args.layers, args.cache)
+    if args.export_gpu is not None:
+        from safetensors.torch import save_file
+
+        args.export_gpu.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{n}.{i}": t.to(torch.float16).contiguous() for i, c in data.items()
+                   for n, t in zip("qkv", c[:3], strict=True)}
+        meta = {"alpha": repr(args.alpha), **{f"scale.{i}": repr(c[3]) for i, c in data.items()}}
+        save_file(tensors, str(args.export_gpu), metadata=meta)
+        print(f"wrote {args.export_gpu}")
+        return
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, source {args.source}, alpha {args.alpha}, "
           f"causal, 9/3 heads, d 64; load {os.getloadavg()[0]:.2f}")
     rows = []

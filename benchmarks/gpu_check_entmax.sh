@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Entmax part of the one-shot GPU check: Triton kernel tests on CUDA, then the benchmark grid
 # (bf16, causal, head_dim 128, GQA 32/8, 8k-32k; forward and forward+backward of entmax α=1.5 vs SDPA flash, and
-# AdaSplash when importable), first on Q/K captured from SmolLM2 (gpu_inputs/, tile sparsity beside every timing), then
-# on random inputs (the worst case: no tile can be skipped); our forward also with PACK_GQA (K/V tiles loaded once
+# AdaSplash when importable), first on Q/K captured from SmolLM2 (gpu_inputs/qk_*, tile sparsity beside every timing),
+# then on the inputs the shipped asentmax fine-tune produces (gpu_inputs/qkv_*: queries times the learned θ, the
+# fine-tune's α), then on random inputs (the worst case: no tile can be skipped); our forward also with PACK_GQA (K/V tiles loaded once
 # per KV group). Writes $OUT/entmax_gpu.json (+ the pytest log). < 4 min.
 # Self-checking: exits non-zero when a CUDA test fails or the kernel disagrees with the PyTorch path.
 #   OUT=/tmp/out bash benchmarks/gpu_check_entmax.sh
@@ -135,18 +136,20 @@ def time_variants(row, fn, q, k, v):
         row["w8_error"] = traceback.format_exc()[-1500:]
 
 
-def compare_row(row, q, k, v, rep):
-    """Forward and forward+backward of SDPA flash, our entmax and AdaSplash (K/V repeated: it takes no GQA)."""
+def compare_row(row, q, k, v, rep, alpha=1.5):
+    """Forward and forward+backward of SDPA flash, our entmax and AdaSplash at ``alpha`` (K/V repeated: it takes no
+    GQA). The keys keep the name entmax15_* whatever ``alpha`` (the row records it)."""
+    row["alpha"] = alpha
     def flash(q, k, v):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                   is_causal=True)
 
     def ada(q, k, v):
-        return adasplash(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), alpha=1.5, is_causal=True)
+        return adasplash(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), alpha=alpha, is_causal=True)
 
     def ours(q, k, v):
-        return E.entmax_attention(q, k, v, None, alpha=1.5)
+        return E.entmax_attention(q, k, v, None, alpha=alpha)
 
     def sdpa_default(q, k, v):  # SDPA's own backend choice (what transformers' sdpa path gets; cuDNN on an H200)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -187,6 +190,31 @@ for path in sorted(glob.glob("gpu_inputs/qk_*.safetensors")):
         except Exception:  # noqa: BLE001
             row["error"] = traceback.format_exc()[-2000:]
         res["real"].append(row)
+        print(json.dumps(row), flush=True)
+
+# --- the inputs a fine-tune produces: gpu_inputs/qkv_*.safetensors (q.L / k.L / v.L, metadata alpha and scale.L; made
+#     on the CPU machine by `bench_entmax_cpu.py --source finetune --export-gpu gpu_inputs/qkv_asentmax_ft_8192...`):
+#     the shipped asentmax fine-tune's queries times their learned θ (flat, dense rows), at the fine-tune's α
+from safetensors import safe_open
+
+res["finetuned"] = []
+for path in sorted(glob.glob("gpu_inputs/qkv_*.safetensors")):
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(path, device=dev)
+    alpha = float(meta["alpha"])
+    for name in sorted(n for n in tensors if n.startswith("q.")):
+        layer = name.split(".")[1]
+        row = {"inputs": path, "layer": int(layer), "alpha": alpha}
+        try:
+            q, k, v = (tensors[f"{n}.{layer}"].to(torch.bfloat16) for n in "qkv")
+            q = q * float(meta[f"scale.{layer}"]) / q.shape[-1] ** -0.5  # the op's default scale is d^-1/2
+            row["n"] = q.shape[2]
+            row["tiles_skipped"], row["diag"] = tile_sparsity(q, k, v, alpha)
+            compare_row(row, q, k, v, q.shape[1] // k.shape[1], alpha)
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc()[-2000:]
+        res["finetuned"].append(row)
         print(json.dumps(row), flush=True)
 
 t_start = time.time()

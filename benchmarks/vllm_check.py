@@ -1,6 +1,6 @@
 """Real-model checks of the vLLM plugin (CPU build of vLLM, run in .venv-vllm): greedy tokens of vLLM's own backend
-vs the plugin's methods on needle prompts of our own format (passphrases in prose, hf_sparse_attn.prose), and what
-bfla's layers did (path, density) on each prefill chunk.
+vs the plugin's methods on needle prompts of our own format (passphrases in prose, hf_sparse_attn.testing.prose), and
+what bfla's layers did (path, density) on each prefill chunk.
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv-vllm/bin/python benchmarks/vllm_check.py --model smollm2 \
         --lengths 2048 4096 8192 --configs plain dense bfla

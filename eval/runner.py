@@ -117,7 +117,7 @@ def prepared_model(spec: MethodSpec, cfg: EvalConfig, base_model, device=None) -
     Plain methods, ``dense`` among them (the exact patched path: on Gemma 3 the sliding layers over their band),
     patch ``base_model`` (loaded once by the caller) and remove the patch afterwards; ``unpatched`` scores
     ``base_model`` as transformers runs it. ``finetuned:`` specs load their own model with
-    :func:`hf_sparse_attn.finetune.load_finetuned` and free it afterwards.
+    :func:`hf_sparse_attn.finetune.load_finetuned` (a LoRA adapter merged into fp32 weights) and free it afterwards.
     """
     if spec.finetuned_from is None:
         from hf_sparse_attn import patch_model
@@ -132,7 +132,7 @@ def prepared_model(spec: MethodSpec, cfg: EvalConfig, base_model, device=None) -
         return
     from hf_sparse_attn.finetune import load_finetuned
 
-    model, _, handle = load_finetuned(spec.finetuned_from, dtype=getattr(torch, cfg.dtype))
+    model, _, handle = load_finetuned(spec.finetuned_from, dtype=getattr(torch, cfg.dtype), merge_lora=True)
     if device is not None:
         model.to(device)
     try:

@@ -70,11 +70,17 @@ def save_model(accelerator, model, handle, tokenizer, args: argparse.Namespace, 
         tokenizer.save_pretrained(str(out))
 
 
-def load_finetuned(output_dir: str | os.PathLike, dtype: torch.dtype | None = None):
+MERGE_DTYPES = (torch.float32, torch.float64)  # merged LoRA weights W + B·A·s in these keep the model's outputs
+
+
+def load_finetuned(output_dir: str | os.PathLike, dtype: torch.dtype | None = None, merge_lora: bool = False):
     """Reload a ``finetune`` output folder: ``(model, tokenizer, handle)``, model in eval mode on CPU.
 
-    Full fine-tuning: the saved weights; ``--lora``: the base model + the saved adapter (``PeftModel``). Then
-    ``patch_model(..., from_pretrained=output_dir / "hf_sparse_attn")`` with the saved method config.
+    Full fine-tuning: the saved weights; ``--lora``: the base model + the saved adapter (``PeftModel``), or with
+    ``merge_lora`` (inference) the adapter merged into the base weights (``merge_and_unload``: a plain model, no
+    adapter products per projection) where the weights are in one of :data:`MERGE_DTYPES` (the merged weights then
+    hold the adapter's contribution to rounding; in half precision they would not: the adapter stays separate).
+    Then ``patch_model(..., from_pretrained=output_dir / "hf_sparse_attn")`` with the saved method config.
     """
     from hf_sparse_attn import models
     from hf_sparse_attn.api import patch_model
@@ -89,6 +95,8 @@ def load_finetuned(output_dir: str | os.PathLike, dtype: torch.dtype | None = No
 
         base, tokenizer = models.load(cfg["args"]["model"], dtype=dtype)
         model = PeftModel.from_pretrained(base, str(out))
+        if merge_lora and next(base.parameters()).dtype in MERGE_DTYPES:
+            model = model.merge_and_unload()
     else:
         model, tokenizer = models.load(str(out), dtype=dtype)
     handle = patch_model(model, method=meta["method"], layers=cfg["args"]["layers"],

@@ -3,8 +3,11 @@ side by side in the same run (methods alternate inside each repetition; median, 
 
 (a) Attention op, forward and forward+backward, on Q/K/V captured from a real offline model at lengths inside its
     trained context (SmolLM2: up to 8k), for ``dense`` (torch SDPA), ``bfla`` (with its density and the estimator's
-    share of dense time), ``entmax`` and peers where installed (the PyPI ``entmax`` package on materialized scores,
-    up to 4k).
+    share of dense time), ``entmax`` (with its density and tile density) and peers where installed (the PyPI
+    ``entmax`` package on materialized scores, up to 4k). Then the same op on the inputs users of a fine-tune produce:
+    ``--finetuned`` (default: the shipped asentmax fine-tune of SmolLM2, for ``--model smollm2``) captured on the
+    demo's RULER sample, the queries times the learned scale θ (flat, dense rows), the entmax op at the fine-tune's α
+    against SDPA on the same inputs.
 (b) End-to-end prefill (time to first token) and peak resident memory of the patched model vs dense, on a real-text
     prompt (``prose``: standard-library documentation) and on random token ids. The report names the thread count
     and the 1-min load average before and after; ``--busy [N]`` keeps N competing processes spinning on the cores for
@@ -73,7 +76,7 @@ def capture_finetune_qkv(folder: str, length: int, layers: list[int], task: str 
     from hf_sparse_attn.methods.entmax import method as entmax_method
     from hf_sparse_attn.methods.entmax import variants as entmax_variants
 
-    model, tok, handle = load_finetuned(folder)
+    model, tok, handle = load_finetuned(folder, merge_lora=True)
     samples = ruler.generate_samples(task, tok, length, num_samples, seed=42)
     ids = tok(samples[sample]["input"], return_tensors="pt")["input_ids"]
     captured: dict[int, tuple] = {}
@@ -194,10 +197,53 @@ def _op_fns(methods: list[str], length: int, peers: list[str]) -> dict[str, Any]
 def bench_ops(
     captures: dict[int, tuple], methods: list[str], length: int, reps: int, backward: bool, peers: list[str] = ()
 ) -> dict:
-    """Per method: summed time over the captured layers per repetition, and its ratio to dense."""
+    """Per method: summed time over the captured layers per repetition, and its ratio to dense; for ``entmax`` /
+    ``sparsemax`` also its density and tile density (:func:`entmax_density`)."""
     fns = _op_fns(methods, length, [p for p in peers if not (backward and p == "flex")])
     skipped = {n: f for n, f in fns.items() if isinstance(f, str)}
-    fns = {n: f for n, f in fns.items() if not isinstance(f, str)}
+    out = _time_ops(captures, {n: f for n, f in fns.items() if not isinstance(f, str)}, reps, backward)
+    out.update({n: {"not_run": why} for n, why in skipped.items()})
+    for m in methods:
+        name, config = parse_method(m)
+        if name in ("entmax", "sparsemax") and m in out and "not_run" not in out[m]:
+            out[m].update(entmax_density(captures, 2.0 if name == "sparsemax" else config.get("alpha", 1.5)))
+    return out
+
+
+def bench_finetune_ops(captures: dict[int, tuple], alpha: float, label: str, reps: int, backward: bool) -> dict:
+    """The entmax op at ``alpha`` on a fine-tune's captured inputs (:func:`capture_finetune_qkv`) against SDPA on
+    the same inputs (row ``dense``): summed times over the layers, ratio, density and tile density."""
+    from hf_sparse_attn.methods.entmax import entmax_attention
+
+    fns = {
+        "dense": lambda q, k, v, s: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=s, enable_gqa=True),
+        label: lambda q, k, v, s: entmax_attention(q, k, v, None, alpha=alpha, scale=s),
+    }
+    out = _time_ops(captures, fns, reps, backward)
+    out[label].update(entmax_density(captures, alpha))
+    return out
+
+
+def entmax_density(captures: dict[int, tuple], alpha: float) -> dict[str, float]:
+    """Over the captured layers: ``density`` (non-zero weights / visible keys) and ``tile_density`` (visible
+    64×64 tiles holding a non-zero weight / visible tiles) of α-entmax attention."""
+    from hf_sparse_attn.methods.entmax import entmax_attention, tile_fractions
+
+    support = allowed = nonzero = visible = 0.0
+    for q, k, v, scale in captures.values():
+        st: dict = {}
+        with torch.no_grad():
+            entmax_attention(q, k, v, None, alpha=alpha, scale=scale, stats=st)
+        tiles = tile_fractions(st["tiles"])
+        support, allowed = support + float(st["support"]), allowed + float(st["allowed"])
+        nonzero, visible = nonzero + tiles["nonzero_tiles"], visible + tiles["visible_tiles"]
+    return {"density": support / allowed, "tile_density": nonzero / visible}
+
+
+def _time_ops(captures: dict[int, tuple], fns: dict, reps: int, backward: bool) -> dict:
+    """Per function ``fn(q, k, v, scale)``: summed time over the captured layers per repetition (functions
+    alternate within a repetition; the first repetition is a warm-up), its ratio to ``fns["dense"]``."""
     times: dict[str, list[float]] = {n: [] for n in fns}
     for rep in range(reps + 1):  # the first repetition is a warm-up
         for name, fn in fns.items():
@@ -215,9 +261,7 @@ def bench_ops(
             if rep:
                 times[name].append(total)
     dense = statistics.median(times["dense"])
-    out = {n: {**_stats(t), "speedup_vs_dense": dense / statistics.median(t)} for n, t in times.items()}
-    out.update({n: {"not_run": why} for n, why in skipped.items()})
-    return out
+    return {n: {**_stats(t), "speedup_vs_dense": dense / statistics.median(t)} for n, t in times.items()}
 
 
 def bfla_overhead(captures: dict[int, tuple]) -> dict[str, float]:
@@ -386,10 +430,11 @@ def to_markdown(res: dict) -> str:
         lines += [
             f"## {length} tokens",
             "",
-            "| measurement | method | median s | min–max s | × vs dense |",
-            "|---|---|---|---|---|",
+            "| measurement | method | median s | min–max s | × vs dense | density (tiles) |",
+            "|---|---|---|---|---|---|",
         ]
-        parts = ["op_forward", "op_forward_backward"] + [p for p in r if p.startswith("prefill")]
+        parts = ["op_forward", "op_forward_backward", "op_forward_finetuned", "op_forward_backward_finetuned"] + [
+            p for p in r if p.startswith("prefill")]
         for part in parts:
             for m, s in r.get(part, {}).items():
                 if "not_run" in s:
@@ -398,9 +443,10 @@ def to_markdown(res: dict) -> str:
                     extra = ""
                     if s.get("dense_layers"):
                         extra = f" (dense layers {s['dense_layers']})"
+                    dens = f"{s['density']:.4f} ({s['tile_density']:.3f})" if "tile_density" in s else ""
                     lines.append(
                         f"| {part} | {m}{extra} | {s['median_s']:.3f} | {s['min_s']:.3f}–{s['max_s']:.3f} | "
-                        f"{s['speedup_vs_dense']:.2f}× |"
+                        f"{s['speedup_vs_dense']:.2f}× | {dens} |"
                     )
         o = r.get("bfla_overhead")
         if o:
@@ -411,6 +457,19 @@ def to_markdown(res: dict) -> str:
             ]
         lines.append("")
     return "\n".join(lines)
+
+
+def _finetune_folder(spec: str, model: str) -> str | None:
+    """``--finetuned``: ``auto`` = the shipped fine-tune (``hf_sparse_attn.eval.demo.FINETUNED``) when it was tuned
+    from ``model``, else None; '' = None; a folder = itself."""
+    if spec != "auto":
+        return spec or None
+    from hf_sparse_attn.eval.demo import FINETUNED
+
+    config = Path(FINETUNED) / "finetune_config.json"
+    if config.is_file() and json.loads(config.read_text())["args"]["model"] == model:
+        return FINETUNED
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-op", action="store_true", help="skip the attention-op benchmark")
+    p.add_argument("--finetuned", default="auto",
+                   help="a `finetune` output folder of an entmax-family method whose captured inputs the op benchmark "
+                        "also times (auto: the shipped asentmax fine-tune when --model is the model it was tuned "
+                        "from; '' = none)")
     p.add_argument("--out", default="runs/bench")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -459,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load(args.model)
     model.eval()
     layers = [int(x) for x in args.layers.split(",")]
+    finetuned = _finetune_folder(args.finetuned, args.model)
     res: dict[str, Any] = {
         "model": args.model,
         "threads": args.threads,
@@ -483,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
                     r["op_forward_backward"] = bench_ops(caps, methods, length, args.reps, True, peers)
                 if any(parse_method(m)[0] == "bfla" for m in methods):
                     r["bfla_overhead"] = bfla_overhead(caps)
+                if finetuned:
+                    caps_ft, alpha = capture_finetune_qkv(finetuned, length, layers)
+                    label = f"{json.loads((Path(finetuned) / 'finetune_config.json').read_text())['method']}-ft"
+                    r["op_forward_finetuned"] = bench_finetune_ops(caps_ft, alpha, label, args.reps, False)
+                    if not args.no_backward:
+                        r["op_forward_backward_finetuned"] = bench_finetune_ops(caps_ft, alpha, label, args.reps,
+                                                                                True)
             if not args.no_prefill:
                 for prompt in prompts:
                     ids, mask = prompt_batch(prompt, tok, model.config.vocab_size, length)

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import CONFIG_KEY, Options, parse_options
+from hf_sparse_attn.vllm.options import CONFIG_KEY, Options, parse_options
 
 __all__ = ["CONFIG_KEY", "Options", "parse_options", "reset_stats", "stats", "worker_report"]
 
 
 def stats() -> dict[str, Any]:
     """Measurements of the attention layers served in this process since the last :func:`reset_stats`."""
-    from .core import STATS
+    from hf_sparse_attn.vllm.core import STATS
 
     return STATS.snapshot()
 
 
 def reset_stats() -> None:
     """Forget the recorded measurements (the served layers stay registered)."""
-    from .core import STATS
+    from hf_sparse_attn.vllm.core import STATS
 
     with STATS.lock:
         opts, active = STATS.options, set(STATS.active_layers)

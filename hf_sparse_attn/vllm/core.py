@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from ..methods import LayerState, get_method
-from .options import PARAMS_TENSORS, Options
-from .paged import Row
+from hf_sparse_attn.methods import LayerState, get_method
+from hf_sparse_attn.vllm.options import PARAMS_TENSORS, Options
+from hf_sparse_attn.vllm.paged import Row
 
 logger = logging.getLogger("vllm.hf_sparse_attn")  # under vLLM's logger: its handler and level apply
 
 # bfla's shortest sparse prefill when its min_seq_len is None (the device default of BflaConfig). The plugin applies
 # it to the sequence's total length; bfla itself then runs with min_seq_len=0 on the rows the plugin gives it.
 try:
-    from ..methods.bfla.config import MIN_SEQ_LEN as _BFLA_MIN_SEQ_LEN
+    from hf_sparse_attn.methods.bfla.config import MIN_SEQ_LEN as _BFLA_MIN_SEQ_LEN
 except ImportError:  # pragma: no cover - the package layout moved
     _BFLA_MIN_SEQ_LEN = {"cpu": 6144, "cuda": 32768}
 
@@ -65,7 +65,7 @@ _TORCH_SET_NUM_THREADS = torch._C.set_num_threads  # the builtin (vLLM's CPU wor
 def _intra_op_control():
     """vLLM's CPU worker replaces ``torch.set_num_threads`` with a stub that only warns (its OpenMP threads are
     pinned to cores). The CPU paths of bfla and entmax run their many small ops on a private pool whose threads
-    each take one intra-op thread (``hf_sparse_attn.cpu_threads``); under the stub every pool thread would run
+    each take one intra-op thread (``hf_sparse_attn.core.threads``); under the stub every pool thread would run
     torch's full team (oversubscribed) and every call would log a warning. Inside a method call the real setter is
     back; the caller's setting is restored by that module after each section, and vLLM's own pinned threads keep
     their affinity (it belongs to the OS threads)."""

@@ -33,10 +33,10 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from .core import LayerRunner, bfla_min_len, row_rule
-from .options import Options
-from .paged import RowSplit, split_rows, subset_fields, write_paged
-from .serve import ServingMixin, engine_options, prepare_layers
+from hf_sparse_attn.vllm.core import LayerRunner, bfla_min_len, row_rule
+from hf_sparse_attn.vllm.options import Options
+from hf_sparse_attn.vllm.paged import RowSplit, split_rows, subset_fields, write_paged
+from hf_sparse_attn.vllm.serve import ServingMixin, engine_options, prepare_layers
 
 logger = logging.getLogger("vllm.hf_sparse_attn")
 

@@ -29,9 +29,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from .core import LayerRunner, bfla_min_len, row_rule
-from .paged import RowSplit, split_rows, subset_fields
-from .serve import ServingMixin, engine_options, prepare_layers
+from hf_sparse_attn.vllm.core import LayerRunner, bfla_min_len, row_rule
+from hf_sparse_attn.vllm.paged import RowSplit, split_rows, subset_fields
+from hf_sparse_attn.vllm.serve import ServingMixin, engine_options, prepare_layers
 
 
 @dataclass

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..methods import MethodConfig, get_method, list_methods
+from hf_sparse_attn.methods import MethodConfig, get_method, list_methods
 
 CONFIG_KEY = "hf_sparse_attn"
 PLUGIN_KEYS = ("method", "layers", "from_pretrained", "log_stats", "stats_file")

@@ -28,7 +28,7 @@ def check_config(vllm_config) -> None:
     """Validate the plugin options of an engine config (no-op without them); on CUDA select the CUSTOM backend."""
     from vllm.platforms import current_platform
 
-    from .options import check_engine, parse_options
+    from hf_sparse_attn.vllm.options import check_engine, parse_options
 
     options = parse_options(getattr(vllm_config, "additional_config", None))
     if options is None:

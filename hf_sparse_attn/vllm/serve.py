@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .core import STATS, LayerRunner
-from .options import Options, parse_options
-from .paged import RowSplit, block_ids, gather_paged
+from hf_sparse_attn.vllm.core import STATS, LayerRunner
+from hf_sparse_attn.vllm.options import Options, parse_options
+from hf_sparse_attn.vllm.paged import RowSplit, block_ids, gather_paged
 
 
 def engine_options(vllm_config) -> Options | None:

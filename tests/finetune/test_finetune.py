@@ -206,6 +206,11 @@ def test_reload_lora_entmax(tmp_path, fresh_accelerate):
     model, _, handle = load_finetuned(out)
     assert isinstance(model, PeftModel)
     assert torch.equal(_logits(model, probe), ref)
+    # merged into the fp32 weights for inference: a plain model, the same logits to rounding
+    merged, _, merged_handle = load_finetuned(out, merge_lora=True)
+    assert not isinstance(merged, PeftModel) and "lora" not in "".join(merged.state_dict())
+    assert torch.allclose(_logits(merged, probe), ref, rtol=0, atol=1e-4)
+    assert torch.equal(_logits(merged, probe).argmax(-1), ref.argmax(-1))
     base, _ = load("tiny-llama")
     peft_model = PeftModel.from_pretrained(base, str(out))
     patch_model(peft_model, method="entmax", learn_alpha=True, from_pretrained=out / "hf_sparse_attn")

@@ -43,10 +43,15 @@ def test_bench_end_to_end_small(tmp_path):
     for part in ("op_forward", "prefill_prose", "prefill_random", "prefill_padded"):
         assert set(r[part]) == {"dense", bfla_spec}
         assert r[part]["dense"]["speedup_vs_dense"] == 1.0 and r[part][bfla_spec]["median_s"] > 0
+    # the op on the shipped asentmax fine-tune's own inputs (queries times its learned θ), density beside the time
+    ft = r["op_forward_finetuned"]
+    assert set(ft) == {"dense", "asentmax-ft"} and ft["dense"]["speedup_vs_dense"] == 1.0
+    assert 0 < ft["asentmax-ft"]["density"] <= 1 and 0 < ft["asentmax-ft"]["tile_density"] <= 1
     # the options reached patch_model: a plan on every layer (min_seq_len=0), then the dense path (dense_density=0)
     assert r["prefill_prose"][bfla_spec]["dense_layers"] == list(range(30))
     md = (out / "bench.md").read_text()
     assert "1 threads, 1 competing busy processes" in md and "prefill_prose" in md
+    assert f"| op_forward_finetuned | asentmax-ft | {ft['asentmax-ft']['median_s']:.3f}" in md
     assert f"1-min load average: {res['load_before']} before, {res['load_after']} after." in md
     # the report printed after each length, before the run ends, has no "after" figure yet (not "None after")
     assert "(the run goes on)" in bench.to_markdown({**res, "load_after": None}) and "None" not in md

@@ -8,12 +8,15 @@ mask records the pairs holding a non-zero weight (the backward visits those pair
      *tile maxima* ``max_j s`` per (row, key tile) (the row max falls out of it), a lower bound ``τ₀`` of every
      row's τ from the tile maxima alone (:func:`.cpu_tau.initial_tau`), and the candidate (row, key tile) pairs
      whose maximum exceeds ``τ₀``;
-  2. :func:`_solve_lists` — rows with few candidate pairs: their entries above ``τ₀`` (a superset of the support)
-     compacted into a flat list, τ on that list (exact sorted closed forms for α = 1.5 / 2, Newton otherwise), and
-     the output ``Σ p·v`` over the support entries (one sparse CSR × V product);
-     :func:`_solve_dense` — general α, chunks whose candidate pairs cover most key tiles: τ on the dense rows, slice
-     by slice, and the output by one product ``p·V`` per slice;
-  3. :func:`_write_chunk` — the tile mask (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key,
+  2. per group of rows (one batch item and KV head), by its share of candidate pairs:
+     :func:`_solve_lists` — few candidate pairs: their entries above ``τ₀`` (a superset of the support) compacted
+     into a flat list, τ on that list (exact sorted closed forms for α = 1.5 / 2, Newton otherwise), and the output
+     ``Σ p·v`` over the support entries (one sparse CSR × V product);
+     :func:`_solve_dense` — general α, candidate pairs covering much of the row (flat rows, α near 1, a support
+     spread thin): τ on the dense rows slice by slice (:func:`.cpu_tau.tau_dense`: from ``τ₀``, one or two Halley
+     updates, each one fused evaluation, then ``p``), and the output by one product ``p·V`` per slice;
+  3. :func:`_write_chunk` — the tile mask (a key tile holds a weight > 0 iff its maximum lies above τ: no pass over
+     ``p``) (uint8 (B, Hq, ⌈Sq/TILE⌉, ⌈Skv/TILE⌉): ``TILE_HIDDEN`` no visible key,
      ``TILE_ZERO`` visible but all weights zero, ``TILE_NONZERO`` some weight > 0), the support sizes, the support
      lists the backward uses, the output normalised by the row sums, τ and the row sums.
 
@@ -27,13 +30,21 @@ spread over ``torch.get_num_threads()`` worker threads that run torch single-thr
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from hf_sparse_attn.ops.entmax.cpu_tau import TAU0_MARGIN, initial_tau, tau_closed_form, tau_newton
+from hf_sparse_attn.ops.entmax.cpu_tau import (
+    TAU0_MARGIN,
+    DenseBuffers,
+    initial_tau,
+    tau_closed_form,
+    tau_dense,
+    tau_newton,
+)
 from hf_sparse_attn.ops.entmax.cpu_tiles import (
     TILE,
     TILE_HIDDEN,
@@ -51,9 +62,10 @@ from hf_sparse_attn.ops.entmax.cpu_tiles import (
 )
 
 SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
-_DENSE_PAIRS = 0.25  # general α: a forward chunk with more candidate (row, key tile) pairs than this works densely
-_SLICE_ELEMS = 1 << 19  # general α, dense rows: score entries per slice of the τ solve (2 MB in fp32)
-_LIST_ENTRIES = 0.125  # general α, dense rows: τ by Newton on the entries above τ₀ where they are at most this few
+_DENSE_PAIRS = 0.25  # general α: a group of rows with more candidate (row, key tile) pairs than this works densely
+_SLICE_ELEMS = 1 << 19  # general α, dense rows: score entries per slice of the τ solve (2 MB in fp32), at least
+# one row tile
+_GATHER_TILES = 0.8  # dense rows: a slice gathers its key tiles with a candidate pair where they are at most this many
 
 with warnings.catch_warnings():  # torch warns once per process that CSR tensors are "beta"; not a user's concern
     warnings.simplefilter("ignore")
@@ -86,8 +98,10 @@ class _Call:
     am1_r_full: torch.Tensor | None  # per row (B, Hkv, R, Sq) when α differs per head
     qg: torch.Tensor  # (B, Hkv, R, Sq, D)
     qs: torch.Tensor  # qg·scale·(α-1) (without softcap), else qg
-    kc: torch.Tensor  # (B, Hkv, Skv, D) contiguous
-    vc: torch.Tensor
+    kt: torch.Tensor  # (B, Hkv, D, nkt·TILE): Kᵀ contiguous, zero columns past Skv (the last tile's padding)
+    vc: torch.Tensor  # (B, Hkv, Skv, D) contiguous
+    vpad: torch.Tensor  # (B·Hkv, nkt·TILE, D): V with zero rows past Skv
+    ksum: torch.Tensor | None  # (B, Hkv, Skv + 1, D) fp64: prefix sums of K (causal without softcap or masks)
     nv: torch.Tensor  # keys each row may see (B, Hkv, R, Sq)
     all_live: bool  # every row sees a key
     out: torch.Tensor
@@ -146,7 +160,6 @@ class _Solved:
     total: torch.Tensor
     o: torch.Tensor  # (n_rows, D)
     updates: int
-    nz_tiles: torch.Tensor  # flat (row tile, key tile) indices, or a bool mask over them
     counts: torch.Tensor | None = None  # support size per row (want_stats / keep_support)
     row: torch.Tensor | None = None  # keep_support: (row, column) of the support entries that fit a list
     col: torch.Tensor | None = None
@@ -167,8 +180,9 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     call = _setup(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode, want_stats,
                   keep_support)
     tasks = chunk_bounds(b, hq, sq, call.off, skv, causal, window, bool_mask is not None)
-    diags = run_workers(tasks, functools.partial(_forward_chunk, call), _new_diag)
-    diag = torch.tensor([max(d[0] for d in diags), max(d[1] for d in diags)], dtype=torch.float32, device=q.device)
+    workers = run_workers(tasks, functools.partial(_forward_chunk, call), _Worker)
+    diag = torch.tensor([max(w.updates for w in workers), max(w.err for w in workers)], dtype=torch.float32,
+                        device=q.device)
     nqt, nkt = tile_grid(sq, skv)
     return (
         call.out.reshape(b, hq, sq, dh).to(q.dtype),
@@ -181,9 +195,20 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
     )
 
 
-def _new_diag() -> list:
-    """A worker's diagnostics: [max τ updates, max |Σp - 1|]."""
-    return [0, 0.0]
+class _Worker:
+    """A worker thread's state: its diagnostics (max τ updates, max |Σp - 1| before the final renormalisation) and
+    the buffers its chunks reuse (the scores, the dense solver's)."""
+
+    def __init__(self):
+        self.updates, self.err = 0, 0.0
+        self.dense = DenseBuffers()
+        self._scores = torch.empty(0)
+
+    def scores(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        n = math.prod(shape)
+        if self._scores.numel() < n or self._scores.dtype != dtype or self._scores.device != torch.device(device):
+            self._scores = torch.empty(n, dtype=dtype, device=device)
+        return self._scores[:n].view(shape)
 
 
 def _setup(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode, want_stats,
@@ -197,17 +222,19 @@ def _setup(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, wind
     nqt, nkt = tile_grid(sq, skv)
     am1_h = am1_heads(alpha, ct, hkv, rep, mode)
     qg = q.to(ct).reshape(b, hkv, rep, sq, dh)
-    # K / V as they are (a copy only to make them contiguous): the last partial key tile is padded in the scores,
-    # not here — a decode step would otherwise copy the whole cache per layer
+    kt = torch.zeros(b, hkv, dh, nkt * TILE, dtype=ct, device=dev)  # products with a contiguous Kᵀ run at BLAS
+    kt[..., :skv] = k.transpose(-1, -2)  # speed (a transposed view as the batched right operand does not)
     return _Call(
         b=b, hq=hq, hkv=hkv, rep=rep, sq=sq, skv=skv, dh=dh, ct=ct, mode=mode, scale=scale, softcap=softcap,
         window=window, causal=causal, first_valid=first_valid, bool_mask=bool_mask, want_stats=want_stats,
         keep_support=keep_support, am1_h=am1_h,
         am1_r_full=None if isinstance(am1_h, float) else am1_h.reshape(1, hkv, rep, 1).expand(b, hkv, rep, sq),
         qg=qg, qs=qg * (scale * am1_h) if not softcap else qg,
-        kc=k.to(ct).contiguous(), vc=v.to(ct).contiguous(),
+        kt=kt, vc=v.to(ct).contiguous(), vpad=F.pad(v.to(ct), (0, 0, 0, nkt * TILE - skv)).reshape(b * hkv, -1, dh),
         nv=n_valid.to(ct).reshape(n_valid.shape[0], 1, 1, sq).expand(b, hkv, rep, sq),
         all_live=bool_mask is None and first_valid is None and bool((n_valid > 0).all()),
+        ksum=(F.pad(k.to(torch.float64), (0, 0, 1, 0)).cumsum(2)
+              if causal and not softcap and bool_mask is None and first_valid is None else None),
         out=torch.zeros(b, hkv, rep, sq, dh, dtype=ct, device=dev),
         tau_out=torch.full((b, hkv, rep, sq), torch.finfo(ct).max, dtype=ct, device=dev),
         norm_out=torch.ones(b, hkv, rep, sq, dtype=ct, device=dev),
@@ -218,20 +245,25 @@ def _setup(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, wind
     )
 
 
-def _forward_chunk(call: _Call, task: tuple[int, int], diag: list) -> None:
-    """Steps 1-3 (module docstring) for the chunk of query rows ``task = (a, cc)``; ``diag`` = the worker's
-    [max τ updates, max |Σp - 1|]."""
-    ch = _chunk_scores(call, *task)
+def _forward_chunk(call: _Call, task: tuple[int, int], worker: _Worker) -> None:
+    """Steps 1-3 (module docstring) for the chunk of query rows ``task = (a, cc)``."""
+    ch = _chunk_scores(call, *task, worker)
     if ch is None:
         return
-    if not call.mode and int(ch.cand.sum()) > _DENSE_PAIRS * ch.cand.numel():
-        res = _solve_dense(call, ch)
-    else:
+    dense = None
+    if not call.mode:  # groups of rows (batch item, KV head) whose candidate pairs cover much of the row
+        dense = ch.cand.view(call.b * call.hkv, -1).float().mean(1) > _DENSE_PAIRS
+    if dense is None or not bool(dense.any()):
         res = _solve_lists(call, ch)
-    _write_chunk(call, ch, res, diag)
+    elif bool(dense.all()):
+        res = _solve_dense(call, ch, dense, worker)
+    else:
+        rows = dense.repeat_interleave(call.rep * ch.cc)
+        res = _merge(_solve_dense(call, ch, dense, worker), _solve_lists(call, ch, rows), rows, call.keep_support)
+    _write_chunk(call, ch, res, worker)
 
 
-def _chunk_scores(call: _Call, a: int, cc: int) -> _Chunk | None:
+def _chunk_scores(call: _Call, a: int, cc: int, worker: _Worker) -> _Chunk | None:
     """Step 1: scores, tile maxima, row maxima, the lower bound τ₀ and the candidate pairs (None: no visible key)."""
     k0, k1 = key_span(a, cc, call.off, call.skv, call.causal, call.window, call.bool_mask is not None)
     if k1 <= k0:
@@ -240,12 +272,10 @@ def _chunk_scores(call: _Call, a: int, cc: int) -> _Chunk | None:
     t0 = k0 // TILE
     nt = -(-k1 // TILE) - t0
     kb, ke = t0 * TILE, (t0 + nt) * TILE
-    kend = min(ke, call.skv)  # keys [kend, ke): the padding of the last key tile
+    kend = min(ke, call.skv)  # keys [kend, ke): the padding of the last key tile (masked below)
     n_rows = call.b * call.hkv * call.rep * cc
-    s = scores(call.qg[:, :, :, rows], call.qs[:, :, :, rows], call.kc[:, :, kb:kend].transpose(-1, -2), call.scale,
-               call.softcap, call.am1_h)
-    if kend < ke:
-        s = F.pad(s, (0, ke - kend), value=float("-inf"))
+    s = scores(call.qg[:, :, :, rows], call.qs[:, :, :, rows], call.kt[..., kb:ke], call.scale, call.softcap,
+               call.am1_h, worker.scores((call.b, call.hkv, call.rep * cc, ke - kb), call.ct, call.kt.device))
     mask_scores_(s.view(call.b, call.hkv, call.rep, cc, ke - kb), a, cc, kb, ke, call.off, call.skv, call.causal,
                  call.window, call.first_valid, call.bool_mask)
     s = s.view(n_rows, ke - kb)
@@ -262,20 +292,35 @@ def _chunk_scores(call: _Call, a: int, cc: int) -> _Chunk | None:
         em1 = 1.0 / am1_r - 1.0
     rel0 = initial_tau(tmax - top.unsqueeze(-1), call.mode, em1 if isinstance(em1, float) else em1.unsqueeze(-1),
                        call.ct)
-    thr = top + rel0 - TAU0_MARGIN[call.ct] * top.abs().clamp(min=1)
+    if call.ksum is not None:
+        rel0 = torch.maximum(rel0, _mean_bound(call, a, cc, top, am1_r))
+    rel0 -= TAU0_MARGIN[call.ct] * top.abs().clamp(min=1)  # below τ* despite rounding
+    thr = top + rel0
     if live is not None:
         thr = torch.where(live, thr, float("inf"))
     return _Chunk(a=a, cc=cc, t0=t0, nt=nt, kb=kb, ke=ke, kend=kend, s=s, tmax=tmax, top=top, live=live, em1=em1,
                   am1_r=am1_r, rel0=rel0, thr=thr, cand=tmax > thr.unsqueeze(1))
 
 
-def _upper_and_live(call: _Call, ch: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """General α: the upper bound ``-n^(1-α)`` of τ relative to the row max (n = keys the row sees) and the rows
-    the solvers update."""
-    n_r = call.nv[:, :, :, ch.rows].reshape(ch.n_rows).clamp(min=1)
-    hi = -torch.pow(n_r, -ch.am1_r)
-    live = ch.live if ch.live is not None else torch.ones(ch.n_rows, dtype=torch.bool, device=hi.device)
-    return hi, live
+def _mean_bound(call: _Call, a: int, cc: int, top: torch.Tensor, am1_r) -> torch.Tensor:
+    """A lower bound of τ relative to the row max ``top`` from the row's mean score: by Jensen (``[·]_+^e`` is
+    convex) ``Σ_j [s_j - τ]_+^e >= n·[mean s - τ]_+^e``, so ``τ = mean s - n^(1-α)`` has a sum >= 1. Tight on rows
+    near the uniform (where the tile maxima's bound is loose). The mean without a pass over the scores: ``q_i``
+    times the sum of the keys it sees (prefix sums of K, fp64)."""
+    b, hkv, rep = call.b, call.hkv, call.rep
+    pos = torch.arange(a, a + cc, device=top.device) + call.off  # absolute query positions
+    end = pos + 1
+    start = (pos - call.window + 1).clamp(min=0) if call.window > 0 else torch.zeros_like(pos)
+    keys = call.ksum.index_select(2, end) - call.ksum.index_select(2, start)  # (B, Hkv, cc, D)
+    total = torch.einsum("bhrcd,bhcd->bhrc", call.qs[:, :, :, a:a + cc].to(torch.float64), keys)
+    n = (end - start).to(torch.float64)
+    mean = (total / n).reshape(-1).to(top.dtype)
+    return mean - top - torch.pow(n.to(top.dtype).repeat(b * hkv * rep), -am1_r)
+
+
+def _upper_bound(call: _Call, ch: _Chunk) -> torch.Tensor:
+    """General α: the upper bound ``-n^(1-α)`` of τ relative to the row max (n = keys the row sees)."""
+    return -torch.pow(call.nv[:, :, :, ch.rows].reshape(ch.n_rows).clamp(min=1), -ch.am1_r)
 
 
 def _support_times_v(call: _Call, ch: _Chunk, row: torch.Tensor, col: torch.Tensor, p: torch.Tensor):
@@ -295,11 +340,11 @@ def _support_entries(p: torch.Tensor, *lists: torch.Tensor) -> tuple[torch.Tenso
     return (p.index_select(0, sel), *(t.index_select(0, sel) for t in lists))
 
 
-def _solve_lists(call: _Call, ch: _Chunk) -> _Solved:
+def _solve_lists(call: _Call, ch: _Chunk, skip: torch.Tensor | None = None) -> _Solved:
     """Step 2 on lists: the chunk's entries above τ₀ (from its candidate pairs), τ on them, p of the support and the
-    output over it."""
+    output over it; rows marked in ``skip`` (n_rows,) are left out (zero output, meaningless τ)."""
     nt = ch.nt
-    rt = flat_nonzero(ch.cand)  # (row, key tile) pairs, flat
+    rt = flat_nonzero(ch.cand if skip is None else ch.cand & ~skip.unsqueeze(-1))  # (row, key tile) pairs, flat
     seg = ch.s.view(ch.n_rows * nt, TILE).index_select(0, rt)  # (C, TILE)
     ce = flat_nonzero(seg > ch.thr[torch.div(rt, nt, rounding_mode="floor")].unsqueeze(1))
     ci = torch.div(ce, TILE, rounding_mode="floor")
@@ -312,128 +357,102 @@ def _solve_lists(call: _Call, ch: _Chunk) -> _Solved:
         updates, total = 0, None
         p = probs_of((x - rel.index_select(0, row)).clamp_(min=0), call.mode, None)
     else:
-        hi, live = _upper_and_live(call, ch)
+        hi = _upper_bound(call, ch)
+        live = ch.live if ch.live is not None else torch.ones_like(hi, dtype=torch.bool)
+        live = live if skip is None else live & ~skip
         rel, updates, _, p, total = tau_newton(x, row, ch.n_rows, torch.minimum(ch.rel0, hi), hi, live, ch.em1,
                                                call.ct)
     p, row, col = _support_entries(p, row, col)
-    bm = min(TILE, ch.cc)
-    nz_tiles = torch.div(row, bm, rounding_mode="floor") * nt + torch.div(col, TILE, rounding_mode="floor")
     o, counts = _support_times_v(call, ch, row, col, p)
     if total is None:  # (Newton's evaluation gave the row sums)
         total = torch.segment_reduce(p, "sum", lengths=counts)
-    return _Solved(rel=rel, total=total, o=o, updates=updates, nz_tiles=nz_tiles, counts=counts, row=row, col=col)
+    return _Solved(rel=rel, total=total, o=o, updates=updates, counts=counts, row=row, col=col)
 
 
-class _DenseOutput:
-    """The consumer of the dense rows' probabilities, slice by slice: the output ``p·V`` (a slice's rows lie in one
-    batch item and KV head), the support sizes and, with ``keep_support``, the (row, column) of the support entries
-    of rows whose support fits a list."""
-
-    def __init__(self, call: _Call, ch: _Chunk):
-        self.call, self.ch = call, ch
-        self.o = torch.empty(ch.n_rows, call.dh, dtype=call.ct, device=ch.s.device)
-        self.sizes = (torch.empty(ch.n_rows, dtype=torch.int64, device=ch.s.device)
-                      if call.want_stats or call.keep_support else None)
-        self.lists: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.v_groups = call.vc.view(call.b * call.hkv, call.skv, call.dh)[:, ch.kb:ch.kend]
-
-    def __call__(self, r0: int, r1: int, p: torch.Tensor) -> None:
-        ch = self.ch
-        self.o[r0:r1] = torch.matmul(p[:, : ch.kend - ch.kb], self.v_groups[r0 // (self.call.rep * ch.cc)])
-        if self.sizes is None:
-            return
-        self.sizes[r0:r1] = torch.sign(p).sum(-1)
-        if self.call.keep_support:
-            fit = (self.sizes[r0:r1] <= SUPPORT_KEYS).nonzero().squeeze(1)
-            ent = flat_nonzero((p > 0).index_select(0, fit))
-            r = torch.div(ent, ch.span, rounding_mode="floor")
-            self.lists.append((fit.index_select(0, r) + r0, ent - r * ch.span))
-
-
-def _solve_dense(call: _Call, ch: _Chunk) -> _Solved:
-    """Step 2 on dense rows (general α, chunks whose candidate pairs cover most key tiles): τ and p on the dense
-    scores, the output by one product with V per slice."""
-    hi, live = _upper_and_live(call, ch)
-    out = _DenseOutput(call, ch)
-    total, rel, updates, listed, dense_rows = _dense_rows_probs(
-        ch.s, ch.top, ch.thr, torch.minimum(ch.rel0, hi), hi, live, ch.em1, call.ct, call.rep * ch.cc, out)
-    # a key tile holds a weight > 0 iff its maximum lies above τ (the tile maxima need no pass over p)
-    bm = min(TILE, ch.cc)
-    nz_tiles = (ch.tmax - ch.top.unsqueeze(-1) > rel.unsqueeze(-1)).view(-1, bm, ch.nt).any(1).view(-1)
-    o, sizes = out.o, out.sizes
-    if listed is not None:  # the other groups' support came as a list: their output as in the sparse branch
-        row, col, p = listed
-        o_list, counts = _support_times_v(call, ch, row, col, p)
-        if dense_rows is None:
-            o, sizes = o_list, counts
-        else:
-            o = torch.where(dense_rows.unsqueeze(-1), o, o_list)
-            sizes = torch.where(dense_rows, sizes, counts) if sizes is not None else None
+def _solve_dense(call: _Call, ch: _Chunk, dense: torch.Tensor, worker: _Worker) -> _Solved:
+    """Step 2 on the dense rows of the groups marked in ``dense`` (B·Hkv,), slice by slice (:func:`_dense_slices`):
+    the slice's key tiles that hold a candidate pair of one of its rows, gathered (all of them where most are), made
+    relative to the row max, τ and p by :func:`.cpu_tau.tau_dense`, the output ``p·V`` over those tiles, the support
+    sizes and (``keep_support``) the support entries of the rows whose support fits a list. The other key tiles lie
+    below the lower bound τ₀ everywhere in the slice: no weight there. Rows of other groups: zero output,
+    meaningless τ."""
+    hi = _upper_bound(call, ch)
+    tau0 = torch.minimum(ch.rel0, hi)
+    dev = ch.s.device
+    rel, total = tau0.clone(), torch.zeros_like(tau0)
+    o = torch.zeros(ch.n_rows, call.dh, dtype=call.ct, device=dev)
+    counts = torch.zeros(ch.n_rows, dtype=torch.int64, device=dev) if call.want_stats or call.keep_support else None
+    group = call.rep * ch.cc
+    lists, updates = [], 0
+    for r0, r1 in _dense_slices(dense, group, ch.span):
+        x, v, tiles = _slice_scores(call, ch, r0, r1)
+        em1 = ch.em1[r0:r1] if isinstance(ch.em1, torch.Tensor) else ch.em1
+        live = ch.live[r0:r1] if ch.live is not None else None
+        rel[r0:r1], n, _, total[r0:r1], d, p = tau_dense(x, tau0[r0:r1], hi[r0:r1], live, em1, call.ct,
+                                                         worker.dense)
+        updates = max(updates, n)
+        torch.mm(p, v, out=o[r0:r1])
+        if counts is not None:  # d > 0 as ceil(d) (0 <= d <= 1), in place: d is not needed any more
+            counts[r0:r1] = d.ceil_().sum(-1)
         if call.keep_support:
-            out.lists.append((row, col))
-    res = _Solved(rel=rel, total=total, o=o, updates=updates, nz_tiles=nz_tiles, counts=sizes)
+            row, col = _fitting_entries(p, counts[r0:r1], r0)
+            if tiles is not None:  # columns of the gathered tiles -> the chunk's columns
+                col = tiles.index_select(0, torch.div(col, TILE, rounding_mode="floor")) * TILE + col % TILE
+            lists.append((row, col))
+    res = _Solved(rel=rel, total=total, o=o, updates=updates, counts=counts)
     if call.keep_support:
-        res.over = dense_rows & (sizes > SUPPORT_KEYS) if dense_rows is not None else None
-        res.row = torch.cat([r for r, _ in out.lists]) if out.lists else sizes.new_zeros(0)
-        res.col = torch.cat([c for _, c in out.lists]) if out.lists else sizes.new_zeros(0)
-        if len(out.lists) > 1:  # grouped by row for the support lists
-            order = torch.sort(res.row, stable=True).indices
-            res.row, res.col = res.row.index_select(0, order), res.col.index_select(0, order)
+        res.row = torch.cat([r for r, _ in lists]) if lists else counts.new_zeros(0)
+        res.col = torch.cat([c for _, c in lists]) if lists else counts.new_zeros(0)
+        res.over = dense.repeat_interleave(group) & (counts > SUPPORT_KEYS)
     return res
 
 
-def _count_true(mask: torch.Tensor) -> torch.Tensor:
-    """The True entries per row (int64) of a contiguous bool matrix (G, N). Where N is a multiple of 64 they are
-    summed as bytes in groups of 64 first: a bool or uint8 sum into int64 converts the whole matrix to int64
-    beforehand on CPU."""
-    g, n = mask.shape
-    if n % 64:
-        return mask.sum(-1)
-    return mask.view(torch.uint8).view(g, n // 64, 64).sum(-1, dtype=torch.uint8).sum(-1)
+def _dense_slices(dense: torch.Tensor, group: int, span: int) -> list[tuple[int, int]]:
+    """Row ranges of the groups marked in ``dense``, each of whole row tiles (``TILE`` rows, the last one maybe
+    fewer) within one group, about ``_SLICE_ELEMS`` scores (at least one row tile)."""
+    rows = max(1, _SLICE_ELEMS // (TILE * span)) * TILE
+    return [(r0, min(r0 + rows, (g + 1) * group)) for g in dense.nonzero().squeeze(1).tolist()
+            for r0 in range(g * group, (g + 1) * group, rows)]
 
 
-def _dense_rows_probs(s: torch.Tensor, top: torch.Tensor, thr: torch.Tensor, tau: torch.Tensor, hi: torch.Tensor,
-                      live: torch.Tensor, em1, ct, group_rows: int, consume):
-    """τ and the unnormalised probabilities of a forward chunk's dense scores ``s`` (R, W) (-inf: masked;
-    overwritten), group by group of ``group_rows`` rows (one batch item and KV head each). Newton from the lower
-    bound ``tau`` (R,) (relative to the row maxima ``top`` (R,)) needs only the entries above the absolute lower
-    bound ``thr`` (R,). In a group where they are few (at most ``_LIST_ENTRIES`` of its entries: a small support
-    spread over many key tiles) it runs on that list (all such groups together); in the others (near-softmax
-    heads) on the dense rows, slice by slice of at most ``_SLICE_ELEMS`` entries, handing each slice's ``p`` to
-    ``consume(r0, r1, p)``. Returns (row sums (R,), τ relative to ``top`` (R,), updates, (row, column, p) of the
-    listed groups' support entries grouped by row or None, the (R,) bool mask of the densely solved rows or None
-    when there are none)."""
-    n_rows, width = s.shape
-    above = s > thr.unsqueeze(-1)
-    per_group = _count_true(above.view(-1, group_rows * width))
-    dense = per_group > _LIST_ENTRIES * group_rows * width
-    total, rel, updates = torch.empty_like(top), torch.empty_like(top), 0
-    step = max(1, min(group_rows, _SLICE_ELEMS // max(1, width)))
-    for g0 in (dense.nonzero().squeeze(1) * group_rows).tolist():
-        for r0 in range(g0, g0 + group_rows, step):
-            r1 = min(r0 + step, g0 + group_rows)
-            x = s[r0:r1].sub_(top[r0:r1].unsqueeze(-1))  # relative to the row max; -inf stays masked
-            e = em1[r0:r1] if isinstance(em1, torch.Tensor) else em1
-            rel[r0:r1], n, _, p, total[r0:r1] = tau_newton(x, None, r1 - r0, tau[r0:r1], hi[r0:r1], live[r0:r1],
-                                                           e, ct)
-            updates = max(updates, n)
-            consume(r0, r1, p)
-    if bool(dense.all()):
-        return total, rel, updates, None, torch.ones_like(live)
-    dense_rows = dense.repeat_interleave(group_rows) if bool(dense.any()) else None
-    if dense_rows is not None:  # the list holds the other groups' entries only
-        above.view(-1, group_rows * width).masked_fill_(dense.unsqueeze(-1), False)
-        live = live & ~dense_rows
-    ent = flat_nonzero(above)
-    row = torch.div(ent, width, rounding_mode="floor")
-    x = s.view(-1).index_select(0, ent).sub_(top.index_select(0, row))
-    rel_l, n, _, p, total_l = tau_newton(x, row, n_rows, tau, hi, live, em1, ct)
-    if dense_rows is None:
-        rel, total = rel_l, total_l
-    else:
-        rel, total = torch.where(dense_rows, rel, rel_l), torch.where(dense_rows, total, total_l)
-    p, ent, row = _support_entries(p, ent, row)
-    return total, rel, max(updates, n), (row, ent - row * width, p), dense_rows
+def _slice_scores(call: _Call, ch: _Chunk, r0: int, r1: int):
+    """The scores of rows ``[r0, r1)`` (one group) relative to their row max, on the key tiles where some row of the
+    slice has a candidate pair, and the rows of V of those tiles: (x (rows, tiles·TILE), V (tiles·TILE, D), the
+    gathered key tiles (relative to the chunk's first) or None when all are kept (x a view of the chunk's scores,
+    made relative in place))."""
+    nt, rows = ch.nt, r1 - r0
+    g = r0 // (call.rep * ch.cc)
+    v = call.vpad[g, ch.kb:ch.ke]
+    keep = ch.cand[r0:r1].any(0)
+    n_keep = int(keep.sum())
+    if n_keep > _GATHER_TILES * nt:
+        return ch.s[r0:r1].sub_(ch.top[r0:r1].unsqueeze(-1)), v, None
+    tiles = keep.nonzero().squeeze(1)
+    x = ch.s[r0:r1].view(rows, nt, TILE).index_select(1, tiles).view(rows, n_keep * TILE)
+    v = v.view(nt, TILE, call.dh).index_select(0, tiles).view(n_keep * TILE, call.dh)
+    return x.sub_(ch.top[r0:r1].unsqueeze(-1)), v, tiles
+
+
+def _fitting_entries(p: torch.Tensor, counts: torch.Tensor, r0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of the entries ``p > 0`` of the rows of a slice (first row ``r0``) whose support fits a list,
+    grouped by row."""
+    fit = (counts <= SUPPORT_KEYS).nonzero().squeeze(1)
+    ent = flat_nonzero((p > 0).index_select(0, fit))
+    r = torch.div(ent, p.shape[1], rounding_mode="floor")
+    return fit.index_select(0, r) + r0, ent - r * p.shape[1]
+
+
+def _merge(dense: _Solved, lists: _Solved, rows: torch.Tensor, keep_support: bool) -> _Solved:
+    """One chunk's results from :func:`_solve_dense` on the rows marked in ``rows`` and :func:`_solve_lists` on
+    the others."""
+    res = _Solved(rel=torch.where(rows, dense.rel, lists.rel), total=torch.where(rows, dense.total, lists.total),
+                  o=torch.where(rows.unsqueeze(-1), dense.o, lists.o), updates=max(dense.updates, lists.updates),
+                  counts=torch.where(rows, dense.counts, lists.counts) if dense.counts is not None else None)
+    if keep_support:  # grouped by row for the support lists
+        row, col = torch.cat([dense.row, lists.row]), torch.cat([dense.col, lists.col])
+        order = torch.sort(row, stable=True).indices
+        res.row, res.col, res.over = row.index_select(0, order), col.index_select(0, order), dense.over
+    return res
 
 
 def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int, over: torch.Tensor | None = None) -> torch.Tensor:
@@ -450,23 +469,22 @@ def _support_list(row: torch.Tensor, key: torch.Tensor, n_rows: int, over: torch
     return out
 
 
-def _write_chunk(call: _Call, ch: _Chunk, res: _Solved, diag: list) -> None:
+def _write_chunk(call: _Call, ch: _Chunk, res: _Solved, worker: _Worker) -> None:
     """Step 3: the chunk's tile codes, support sizes and lists, normalised output, τ and row sums."""
     b, hkv, rep, cc = call.b, call.hkv, call.rep, ch.cc
     rows = ch.rows
     total = res.total if ch.live is None else torch.where(ch.live, res.total, 0)
-    diag[0] = max(diag[0], res.updates)
+    worker.updates = max(worker.updates, res.updates)
     err = (total - 1).abs_()
-    diag[1] = max(diag[1], float(err.max() if ch.live is None else err.masked_fill_(~ch.live, 0).max()))
+    worker.err = max(worker.err, float(err.max() if ch.live is None else err.masked_fill_(~ch.live, 0).max()))
     if call.want_stats:
         supp = res.counts.float() if res.counts is not None else torch.zeros(ch.n_rows, device=total.device)
         call.supp_out[:, :, :, rows] = supp.view(b, hkv, rep, cc)
     bm = min(TILE, cc)
     code = torch.where((ch.tmax > float("-inf")).view(-1, bm, ch.nt).any(1), TILE_ZERO, TILE_HIDDEN).to(torch.uint8)
-    if res.nz_tiles.dtype == torch.bool:
-        code.view(-1).masked_fill_(res.nz_tiles, TILE_NONZERO)
-    else:
-        code.view(-1).index_fill_(0, res.nz_tiles, TILE_NONZERO)
+    # a key tile holds a weight > 0 iff its maximum lies above τ (dead rows: every maximum is -inf)
+    nonzero = (ch.tmax - ch.top.unsqueeze(-1) > res.rel.unsqueeze(-1)).view(-1, bm, ch.nt).any(1)
+    code.masked_fill_(nonzero, TILE_NONZERO)
     call.tiles[:, ch.a // TILE : ch.a // TILE + cc // bm, ch.t0 : ch.t0 + ch.nt] = code.view(b * hkv * rep, -1, ch.nt)
     if call.keep_support:
         lists = _support_list(res.row, ch.kb + res.col, ch.n_rows, res.over)
@@ -483,9 +501,9 @@ def _write_chunk(call: _Call, ch: _Chunk, res: _Solved, diag: list) -> None:
 
 def _one_query_forward(q, k, v, alpha, scale, softcap, mode, want_stats):
     """:func:`blockwise_forward` for one query row per head that sees every key (a decode step without padding,
-    mask or window), without the chunk machinery: the same scores, tile maxima and lower bound τ₀, then Newton on
-    the dense rows for every α (e = 1/(α-1): α = 1.5 / 2 too, to the same tolerance as the closed forms' exact τ),
-    and ``p·V`` by one product per KV group. A decode step is bound by op count. Same returns."""
+    mask or window), without the chunk machinery: the same scores, tile maxima and lower bound τ₀, then
+    :func:`.cpu_tau.tau_dense` on the dense rows for every α (α = 1.5 / 2 too, to the same tolerance as the closed
+    forms' exact τ), and ``p·V`` by one product per KV group. A decode step is bound by op count. Same returns."""
     b, hq, _, dh = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -507,14 +525,13 @@ def _one_query_forward(q, k, v, alpha, scale, softcap, mode, want_stats):
         em1 = 1.0 / am1_r - 1.0
         rel0 = initial_tau(rel_max, mode, em1.unsqueeze(-1), ct)
     hi = -(float(skv) ** -am1_r)
-    live = torch.ones(n_rows, dtype=torch.bool)
-    rel, updates, _, p, total = tau_newton(s.sub_(top.unsqueeze(-1)), None, n_rows, torch.minimum(rel0, hi), hi,
-                                           live, em1, ct)
+    rel, updates, _, total, _, p = tau_dense(s.sub_(top.unsqueeze(-1)), torch.minimum(rel0, hi), hi, None, em1, ct,
+                                             DenseBuffers())
     o = torch.matmul(p.view(b, hkv, rep, skv), v.to(ct))
     out = (o * torch.where(total > 0, 1.0 / total, 0).view(b, hkv, rep, 1)).reshape(b, hq, 1, dh).to(q.dtype)
     code = torch.full((n_rows, nt), TILE_ZERO, dtype=torch.uint8).masked_fill_(rel_max > rel.unsqueeze(-1),
                                                                                TILE_NONZERO)
-    supp = torch.sign(p).sum(-1) if want_stats else torch.zeros(n_rows)
+    supp = (p > 0).sum(-1) if want_stats else torch.zeros(n_rows)
     diag = torch.tensor([updates, float((total - 1).abs_().max())], dtype=torch.float32)
     return (out, (top + rel).view(b, hq, 1), total.view(b, hq, 1), supp.float().view(b, hq, 1),
             code.view(b, hq, 1, nt), diag, torch.full((0,), -1, dtype=torch.int32))

@@ -136,13 +136,23 @@ def mask_scores_(s, a, cc, kb, ke, off, kv_len, causal, window, first_valid, boo
             s[..., : c1 - kb].masked_fill_(j <= q_abs - window, ninf)
 
 
-def scores(qg: torch.Tensor, qs: torch.Tensor, kt: torch.Tensor, scale: float, softcap: float, am1_h):
+def scores(qg: torch.Tensor, qs: torch.Tensor, kt: torch.Tensor, scale: float, softcap: float, am1_h,
+           out: torch.Tensor | None = None):
     """``s = (α-1)·softcap(scale·q·kᵀ)`` (B, Hkv, R·C, keys) of the query rows ``qg`` (B, Hkv, R, C, D) against
-    ``kt`` (B, Hkv, D, keys); ``qs`` = the same rows already multiplied by scale·(α-1) (used without softcap)."""
+    ``kt`` (B, Hkv, D, keys); ``qs`` = the same rows already multiplied by scale·(α-1) (used without softcap).
+    ``out``: a contiguous tensor of that shape written instead of a new one (one product per batch item and KV head:
+    faster on CPU than the batched product into ``out``)."""
     b, hkv, rep, cc, dh = qg.shape
+    rows = (qs if not softcap else qg).reshape(b * hkv, rep * cc, dh)
+    if out is None:
+        s = torch.matmul(rows.view(b, hkv, rep * cc, dh), kt)
+    else:
+        s = out
+        for g, (qr, k_g) in enumerate(zip(rows, kt.reshape(b * hkv, dh, -1), strict=True)):
+            torch.mm(qr, k_g, out=s.view(b * hkv, rep * cc, -1)[g])
     if not softcap:
-        return torch.matmul(qs.reshape(b, hkv, rep * cc, dh), kt)
-    s = torch.matmul(qg.reshape(b, hkv, rep * cc, dh), kt).mul_(scale / softcap).tanh_()  # c·tanh(scale·q·k / c)
+        return s
+    s.mul_(scale / softcap).tanh_()  # c·tanh(scale·q·k / c)
     s.view(b, hkv, rep, cc, -1).mul_(softcap * am1_h)
     return s
 

@@ -113,24 +113,25 @@ CASES = [
 
 
 def _force_path(monkeypatch, path: str) -> None:
-    """``lists``: the entry lists (forward) and the per-pair backward; ``dense``: every forward chunk of general α
-    (τ by Newton on the dense rows) and every backward tile chunk on dense tiles; ``dense_lists``: the same, but τ
-    of the dense rows by Newton on the entries above the lower bound; ``rows``: the backward on dense row chunks
-    (:mod:`dense_cpu`)."""
+    """``lists``: the entry lists (forward) and the per-pair backward; ``dense``: every group of rows of general α
+    on its dense rows (τ by :func:`cpu_tau.tau_dense`, all key tiles) and every backward tile chunk on dense tiles;
+    ``dense_tiles``: the same, each slice of dense rows on the key tiles holding one of its candidate pairs only;
+    ``rows``: the backward on dense row chunks (:mod:`dense_cpu`)."""
     monkeypatch.setattr(dense_cpu, "DENSE_ROWS", -1.0 if path == "rows" else 2.0)
-    if path in ("dense", "dense_lists"):
+    if path in ("dense", "dense_tiles"):
         monkeypatch.setattr(cpu_forward, "_DENSE_PAIRS", -1.0)
         monkeypatch.setattr(cpu_backward, "_DENSE_ENTRIES", -1.0)
-        monkeypatch.setattr(cpu_forward, "_LIST_ENTRIES", 2.0 if path == "dense_lists" else -1.0)
+        monkeypatch.setattr(cpu_forward, "_GATHER_TILES", 2.0 if path == "dense_tiles" else -1.0)
 
 
-PATHS = ["lists", "dense", "dense_lists", "rows"]
+PATHS = ["lists", "dense", "dense_tiles", "rows"]
 
 
+@pytest.mark.parametrize("theta", [1.0, 0.5])  # 0.5: rows made flat, as a learned scale θ < 1 makes them
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
 @pytest.mark.parametrize("case", CASES)
-def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path):
+def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path, theta):
     """Forward and gradients equal the reference on every path (:func:`_force_path`)."""
     b, hq, hkv, sq, skv, window, softcap = case
     _force_path(monkeypatch, path)
@@ -139,7 +140,7 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path):
     monkeypatch.setattr(cpu_forward, "SUPPORT_KEYS", 2)  # rows with larger supports take the backward's tile path
     monkeypatch.setattr(cpu_backward, "_ENTRY_SLICE", 5)  # several entry slices, cut at row starts
     monkeypatch.setattr(cpu_tau, "_NARROW", 2)  # rows whose support outgrows the first sorted entries
-    q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True)
+    q, k, v = _qkv(b, hq, hkv, sq, skv, dtype=F64, grad=True, std=theta)
     kw = dict(alpha=alpha, scale=0.8, softcap=softcap, sliding_window=window)
     out = E.entmax_attention(q, k, v, None, **kw)
     ref = E.entmax_attention_reference(q, k, v, None, **kw)
@@ -151,25 +152,49 @@ def test_blockwise_equals_reference_multi_chunk(monkeypatch, alpha, case, path):
         assert (a - r).abs().max() < 1e-9
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_asentmax_with_a_negative_beta_equals_the_reference(monkeypatch, path):
+    """asentmax with a learned scale θ = δ + β·ln n below 1 (β < 0, as the shipped fine-tune learned: flat rows), α =
+    1.25, several chunks: forward and gradients (also of δ and β) equal the reference on the scaled queries."""
+    from hf_sparse_attn.methods.entmax.variants import ASEntmaxConfig, _asentmax_forward, _log_n, asentmax_theta
+
+    _force_path(monkeypatch, path)
+    monkeypatch.setattr(cpu_tiles, "_CHUNK_ELEMS", 256)
+    _set_tile(monkeypatch, 4)
+    q, k, v = _qkv(2, 4, 2, 29, 29, dtype=F64, grad=True)
+    cfg = ASEntmaxConfig(alpha=1.25, delta_init=1.0, beta_init=-0.2)
+    delta = torch.full((4,), 1.0, dtype=F64, requires_grad=True)
+    beta = torch.tensor([-0.2, -0.15, -0.1, 0.05], dtype=F64, requires_grad=True)
+    layer = type("Layer", (), {"params": None, "stats": {}})()
+    theta = asentmax_theta(_log_n(None, q, k, True, None), delta, beta, 1.0)
+    assert float(theta.min()) < 0.5
+    monkeypatch.setattr("hf_sparse_attn.methods.entmax.variants._asentmax_params", lambda *a: (delta, beta))
+    out = _asentmax_forward(q, k, v, None, scale=0.8, causal=True, softcap=None, sliding_window=None, config=cfg,
+                            layer=layer)
+    ref = E.entmax_attention_reference(q * theta, k, v, None, alpha=1.25, scale=0.8)
+    assert (out - ref).abs().max() < 1e-10
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v, delta, beta), g),
+                    torch.autograd.grad(ref, (q, k, v, delta, beta), g), strict=True):
+        assert (a - r).abs().max() < 1e-9
+
+
 @pytest.mark.parametrize("alpha", [1.25, 1.1])
 def test_dense_chunks_with_flat_and_peaked_kv_heads_equal_the_reference(monkeypatch, alpha):
-    """A dense forward chunk whose KV heads differ (one flat: τ on its dense rows; one peaked: τ on the list of its
-    entries above the bound), fp64, with gradients (the support lists of both kinds of rows): equal to the
-    reference."""
-    monkeypatch.setattr(cpu_forward, "_DENSE_PAIRS", -1.0)  # every chunk takes the dense branch
-    monkeypatch.setattr(cpu_forward, "_LIST_ENTRIES", 0.3)
+    """A forward chunk whose KV heads differ (one flat: τ on its dense rows; one peaked: τ on the list of its entries
+    above the bound), fp64, with gradients (the support lists of both kinds of rows): equal to the reference."""
+    monkeypatch.setattr(cpu_forward, "_DENSE_PAIRS", 0.5)
     _set_tile(monkeypatch, 4)
     monkeypatch.setattr(cpu_forward, "SUPPORT_KEYS", 3)
-    solved = []
-    dense_rows_probs = cpu_forward._dense_rows_probs
-    monkeypatch.setattr(cpu_forward, "_dense_rows_probs",
-                        lambda *a: (lambda r: solved.append((r[3] is None, r[4] is None)) or r)(dense_rows_probs(*a)))
+    merged = []
+    merge = cpu_forward._merge
+    monkeypatch.setattr(cpu_forward, "_merge", lambda *a: merged.append(1) or merge(*a))
     q, k, v = _qkv(1, 4, 2, 40, 40, dtype=F64)
     q = (q * torch.tensor([0.01, 0.01, 8.0, 8.0], dtype=F64)[None, :, None, None]).requires_grad_()
     k.requires_grad_(), v.requires_grad_()
     out = E.entmax_attention(q, k, v, None, alpha=alpha, scale=0.8)
     ref = E.entmax_attention_reference(q, k, v, None, alpha=alpha, scale=0.8)
-    assert (False, False) in solved  # some chunk solved one KV head on its rows and the other on a list
+    assert merged  # some chunk solved one KV head on its dense rows and the other on a list
     assert (out - ref).abs().max() < 1e-10
     g = torch.randn_like(out)
     for a, r in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), strict=True):
@@ -233,63 +258,72 @@ def test_blockwise_fp32_paths(alpha, std):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("list_entries", [-1.0, 2.0, 0.5])
-def test_tau_of_dense_rows_is_the_same_by_newton_on_the_entries_above_the_bound(monkeypatch, list_entries):
-    """τ and p of dense rows (general α), three groups of 16 rows: Newton on the full rows of every group (-1), on
-    the entries above the lower bound only (2.0, what a small support spread over many key tiles takes; p as the
-    support's entries), or each group its own way (0.5: a flat group on its rows, two peaked ones on their lists):
-    the same root, the same probabilities, every row summing to 1."""
-    alpha = 1.25
-    em1 = 1.0 / (alpha - 1.0) - 1.0
+def _tau_reference(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """τ of rows ``x`` (R, W) (relative to the row max, -inf masked) by bisection in fp64."""
+    e = 1.0 / (alpha - 1.0)
+    lo, hi = torch.full(x.shape[:1], -1.0, dtype=F64), torch.zeros(x.shape[:1], dtype=F64)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        big = (x.double() - mid[:, None]).clamp(min=0).pow(e).sum(-1) > 1
+        lo, hi = torch.where(big, mid, lo), torch.where(big, hi, mid)
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("alpha", [1.01, 1.1, 1.25, 4 / 3, 1.5, 1.75, 2.0])
+def test_tau_dense_converges_from_the_lower_bound(alpha, dtype):
+    """τ of dense rows (flat ones: a scale below 1; peaked ones; masked keys) from the tile-maxima lower bound: the
+    root (against bisection), p = [x - τ]_+^e summing to 1 within the tolerance, d = [x - τ]_+ beside it."""
     g = torch.Generator().manual_seed(0)
-    s = torch.randn(48, 300, generator=g, dtype=F64) * 0.3 + 2.0
-    s[:16] *= 0.01  # a flat group: every entry above the bound
-    s[16:] *= 10.0  # peaked groups: few entries above it
+    s = torch.randn(48, 300, generator=g, dtype=F64) * (alpha - 1.0)
+    s[:16] *= 0.3  # flat rows: most entries above τ
+    s[16:32] *= 6.0  # peaked rows
     s[::3, 200:] = float("-inf")  # masked keys
-    top = s.amax(-1)
-    hi = -torch.isfinite(s).sum(-1).to(F64).pow(-(alpha - 1.0))
-    live = torch.ones(48, dtype=torch.bool)
-    tau0 = torch.full((48,), -1.0, dtype=F64)  # a lower bound: the row max alone gives Σ [x - τ]_+^e >= 1
-    seen = []
-    newton = cpu_tau.tau_newton
-    monkeypatch.setattr(cpu_forward, "tau_newton", lambda x, row, *a: seen.append(row is None) or newton(x, row, *a))
-    monkeypatch.setattr(cpu_forward, "_LIST_ENTRIES", list_entries)
-    monkeypatch.setattr(cpu_forward, "_SLICE_ELEMS", 5 * 300)  # slices of 5 rows within groups of 16
-    x = s - top[:, None]
-    p = torch.zeros_like(s)
-    slices = []
+    x = (s - s.amax(-1, keepdim=True)).to(dtype)
+    em1 = 1.0 / (alpha - 1.0) - 1.0
+    tmax = x.view(48, -1, 20).amax(-1)
+    tau0 = cpu_tau.initial_tau(tmax, 0, em1, dtype)
+    hi = -torch.isfinite(x).sum(-1).to(dtype).pow(-(alpha - 1.0))
+    tau, updates, err, total, d, p = cpu_tau.tau_dense(x, torch.minimum(tau0, hi), hi, None, em1, dtype,
+                                                       cpu_tau.DenseBuffers())
+    ref = _tau_reference(x, alpha)
+    assert (tau.double() - ref).abs().max() < (1e-12 if dtype == F64 else 2e-6)
+    assert err <= cpu_tau.SUM_TOL[dtype] and (total - 1).abs().max() <= cpu_tau.SUM_TOL[dtype]
+    assert torch.allclose(p.sum(-1), total) and torch.equal(d, (x - tau[:, None]).clamp(min=0))
+    if alpha <= 1.5 and dtype == torch.float32:
+        assert updates <= 3, updates  # Halley's updates from the tile-maxima bound
 
-    def consume(r0, r1, probs):
-        slices.append((r0, r1))
-        p[r0:r1] = probs
 
-    total, tau, updates, listed, dense_rows = cpu_forward._dense_rows_probs(
-        s.clone(), top, top + tau0, tau0, hi, live, em1, F64, 16, consume)
-    dense_groups = {-1.0: [0, 1, 2], 2.0: [], 0.5: [0]}[list_entries]
-    assert sorted({r0 // 16 for r0, _ in slices}) == dense_groups
-    assert all((r1 - 1) // 16 == r0 // 16 for r0, r1 in slices)  # no slice across a group
-    assert sum(r1 - r0 for r0, r1 in slices) == 16 * len(dense_groups)  # each dense row once
-    assert set(seen) == {kind for kind, used in ((True, dense_groups), (False, len(dense_groups) < 3)) if used}
-    assert updates >= 2
-    assert (listed is None) == (len(dense_groups) == 3)
-    assert (dense_rows is None) == (not dense_groups)
-    if dense_rows is not None:
-        assert torch.equal(dense_rows, torch.arange(48) // 16 < len(dense_groups))
-    if listed is not None:  # the listed groups' support entries, grouped by row
-        row, col, vals = listed
-        assert bool((row[1:] >= row[:-1]).all()) and bool((row >= 16 * len(dense_groups)).all())
-        p.index_put_((row, col), vals)
-    ref = newton(x, None, 48, tau0, hi, live, em1, F64)[0]
-    assert (tau - ref).abs().max() < 1e-12
-    ref_p = (x - ref[:, None]).clamp(min=0).pow(1 / (alpha - 1))
-    assert (total - 1).abs().max() < 1e-12 and (ref_p.sum(-1) - 1).abs().max() < 1e-12
-    assert torch.equal(p > 0, ref_p > 0) and (p - ref_p).abs().max() < 1e-12
+def test_tau_dense_rows_left_over_by_the_last_evaluation_are_solved_on_their_own(monkeypatch):
+    """An evaluation that gives p only as soon as |Σp - 1| < 100 leaves rows above the tolerance: they are gathered,
+    solved with slopes, and patched into τ, p, d and the row sums (fp64, against bisection); dead rows stay put."""
+    monkeypatch.setattr(cpu_tau, "_LAST_AT", 100.0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 256, generator=g, dtype=F64) * 0.25
+    x[5] = float("-inf")
+    x[5, 0] = 0.0
+    x = x - x.amax(-1, keepdim=True)
+    live = torch.ones(20, dtype=torch.bool)
+    live[7] = False
+    x[7] = float("-inf")
+    x[7, 0] = 0.0
+    hi = -torch.isfinite(x).sum(-1).to(F64).pow(-0.25)
+    solved = []
+    solve_rows = cpu_tau._solve_rows
+    monkeypatch.setattr(cpu_tau, "_solve_rows", lambda xs, *a: solved.append(xs.shape[0]) or solve_rows(xs, *a))
+    tau, updates, err, total, d, p = cpu_tau.tau_dense(x, torch.full((20,), -1.0, dtype=F64), hi, live, 3.0, F64,
+                                                       cpu_tau.DenseBuffers())
+    assert solved and 0 < solved[0] < 19
+    ref = _tau_reference(x, 1.25)
+    assert (tau - ref)[live].abs().max() < 1e-12 and err <= 1e-13
+    assert torch.allclose(p, (x - tau[:, None]).clamp(min=0) ** 4, rtol=1e-12, atol=0)
+    assert (total[live] - 1).abs().max() < 1e-13
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0])
 def test_fp32_rows_sum_to_one_before_renormalisation(alpha):
     # the row sums the op divides by (and diag's max |Σp - 1|) come from the exact τ, not from the renormalisation
-    for std, sq in ((0.05, 150), (1.0, 200), (4.0, 130)):
+    for std, sq in ((0.05, 150), (0.3, 300), (1.0, 200), (4.0, 130)):
         q, k, v = _qkv(1, 4, 2, sq, sq, 32, std=std)
         a = torch.full((4,), alpha)
         nv = E.key_counts(None, 1, sq, sq, causal=True, sliding_window=None, device="cpu")
@@ -328,14 +362,6 @@ def test_pow_support_integer_exponents_by_multiplication(e):
     d0, buf = d.clone(), torch.full_like(d, float("nan"))
     q = cpu_tiles.pow_support(d, e, buf)
     assert q.data_ptr() == buf.data_ptr() and torch.equal(q, p) and torch.equal(d, d0)
-
-
-@pytest.mark.parametrize("n", [64 * 5, 96])
-def test_count_true_per_row(n):
-    # byte sums in groups of 64 (n a multiple of 64) or a plain sum: the count of True per row either way
-    mask = torch.rand(7, n) > 0.3
-    mask[0] = True  # a full row: 64 per byte group, still below the uint8 limit
-    assert torch.equal(cpu_forward._count_true(mask), mask.sum(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -420,15 +446,18 @@ def test_alpha_near_one_approaches_softmax():
     assert (E.entmax_attention(q, k, v, None, alpha=1.5) - dense).abs().max() > 5e-2
 
 
-def test_noncontiguous_query_and_opcheck():
-    q, k, v = _qkv(1, 4, 2, 6, 6, 8)
-    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
-    assert not qt.is_contiguous()
-    assert torch.equal(E.entmax_attention(qt, k, v, None), E.entmax_attention(q, k, v, None))
+@pytest.mark.parametrize("sq", [6, 64])  # 64: K / V whole tiles (no padding copy)
+def test_noncontiguous_query_and_opcheck(sq):
+    q, k, v = _qkv(2, 4, 2, sq, sq, 8)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # as HF passes them
+    assert not qt.is_contiguous() and not vt.is_contiguous()
+    for alpha in (1.5, 1.25):
+        assert torch.equal(E.entmax_attention(qt, kt, vt, None, alpha=alpha),
+                           E.entmax_attention(q, k, v, None, alpha=alpha))
     alpha = torch.full((4,), 1.5)
-    nv = torch.arange(1, 7, dtype=torch.float32)[None]
+    nv = torch.arange(1, sq + 1, dtype=torch.float32)[None]
     torch.library.opcheck(
-        torch.ops.hf_sparse_attn.entmax_fwd.default, (qt, k, v, alpha, nv, None, None, 0.5, 0.0, 0, True, 1, True)
+        torch.ops.hf_sparse_attn.entmax_fwd.default, (qt, kt, vt, alpha, nv, None, None, 0.5, 0.0, 0, True, 1, True)
     )
 
 
