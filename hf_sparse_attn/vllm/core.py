@@ -81,12 +81,14 @@ def _intra_op_control():
 
 
 class _Heads(torch.nn.Module):
-    """The attribute a method's ``init_layer`` reads (the layer's query heads), standing in for an HF module."""
+    """The attributes a method's ``init_layer`` reads, standing in for an HF attention module: the layer's query
+    heads and the model's config (the engine's HF text config; bfla's ``profile`` checks it)."""
 
-    def __init__(self, num_heads: int):
+    def __init__(self, num_heads: int, model_config: Any = None):
         super().__init__()
         self.num_heads = num_heads
-        self.config = types.SimpleNamespace(num_attention_heads=num_heads)
+        self.config = model_config if model_config is not None else types.SimpleNamespace(
+            num_attention_heads=num_heads)
 
 
 @functools.lru_cache(maxsize=4)
@@ -131,7 +133,7 @@ class LayerRunner:
     def __init__(self, options: Options, *, layer_name: str | None, num_heads: int, num_kv_heads: int,
                  head_size: int, scale: float, sliding_window: int | None, softcap: float | None,
                  device: torch.device, tp_rank: int = 0, tp_size: int = 1, total_kv_heads: int | None = None,
-                 unsupported: str | None = None):
+                 unsupported: str | None = None, model_config: Any = None):
         self.options = options
         self.layer_idx = layer_index(layer_name)
         self.layer_name = layer_name
@@ -165,11 +167,19 @@ class LayerRunner:
                                 sparse_eligible=self.sliding_window is None)
         if self.active and self.method.init_layer is not None:
             total = num_heads * tp_size
-            self.method.init_layer(_Heads(total), self.state)
+            self.method.init_layer(_Heads(total, model_config), self.state)
+            self._cut_keep_mass(tp_rank, total)
             if self.state.params is not None:
                 head_slice = slice(tp_rank * num_heads, (tp_rank + 1) * num_heads)
                 _load_params(self.state, options, self.layer_idx or 0, total, head_slice)
                 self.state.params.to(device)
+
+    def _cut_keep_mass(self, tp_rank: int, total_heads: int) -> None:
+        """A per-query-head ``keep_mass`` of the whole layer (bfla's ``profile``) cut to this rank's heads."""
+        km = getattr(self.state.config, "keep_mass", None)
+        if isinstance(km, tuple) and len(km) == total_heads and total_heads != self.num_heads:
+            heads = km[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]
+            self.state.config = dataclasses.replace(self.state.config, keep_mass=heads)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q (1, Hq, Sq, D)`` (the row's chunk), ``k/v (1, Hkv, Skv, D)`` (all its keys) -> ``(1, Hq, Sq, D)``;
@@ -191,7 +201,7 @@ class LayerRunner:
         if self.method.layer_stats is None:
             return {}
         st = self.method.layer_stats(self.state)
-        return {k: st.get(k) for k in ("path", "density", "dense_reason") if k in st}
+        return {k: st.get(k) for k in ("path", "density", "dense_reason", "plan_seconds", "attend_seconds") if k in st}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,6 +223,7 @@ class StatsRecorder:
         self.decode_rows = 0
         self.steps = 0
         self._step: dict[tuple[int, int], dict[str, Any]] = {}
+        self._seconds: dict[int, float] = {}
         self.active_layers: set[int] = set()
 
     def configure(self, options: Options, layer_idx: int | None) -> None:
@@ -247,14 +258,24 @@ class StatsRecorder:
                     self._step.setdefault((row.index, row.q_start), {
                         "query_len": row.query_len, "seq_len": row.seq_len, "layers": {}, "vllm": reason})
 
-    def end_layer(self, idx: int | None) -> None:
-        """Called after every served layer; after the last one of the step the step's records are flushed."""
-        if idx is None or not self.active_layers or idx != max(self.active_layers):
+    def end_layer(self, idx: int | None, seconds: float | None = None) -> None:
+        """Called after every served layer with the wall time of its attention call (None: not measured, e.g. on
+        CUDA, where the call returns before the kernels finish); after the last one of the step the step's records
+        are flushed, each with ``attention_seconds``, the step's time in the served layers (all its rows)."""
+        if idx is None:
             return
         with self.lock:
+            if seconds is not None:
+                self._seconds[idx] = self._seconds.get(idx, 0.0) + seconds
+            if not self.active_layers or idx != max(self.active_layers):
+                return
             step, self._step = self._step, {}
+            seconds_total = sum(self._seconds.values()) if self._seconds else None
+            self._seconds = {}
             self.steps += 1
             records = [self._summary(r) for r in step.values()]
+            for rec in records:
+                rec["attention_seconds"] = seconds_total
             self.prefills.extend(records)
             opts = self.options
         if opts is None or not records:
@@ -309,7 +330,8 @@ def _line(method: str, rec: dict[str, Any]) -> str:
     tail = f"; dense because: {reasons[0]}" + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else "") \
         if reasons else ""
     density = f"{dens:.3f}" if dens is not None else "n/a"
-    return f"{head}: {rec['layers']} layers, {paths}, density {density}{tail}"
+    took = f", {rec['attention_seconds']:.2f} s in these layers" if rec.get("attention_seconds") is not None else ""
+    return f"{head}: {rec['layers']} layers, {paths}, density {density}{took}{tail}"
 
 
 STATS = StatsRecorder()

@@ -153,8 +153,13 @@ def parse_options(additional_config: Any) -> Options | None:
     stats_file = opts.get("stats_file")
     if stats_file is not None and not isinstance(stats_file, (str, os.PathLike)):
         raise _err(f"stats_file={stats_file!r} is not allowed; allowed: None or a file path")
-    if getattr(config, "profile", None) is not None:
-        raise _err("profile (a per-layer keep_mass file) is not supported by the vLLM plugin yet; pass keep_mass")
+    if getattr(config, "profile", None) is not None:  # read and validated now; checked against the model at start
+        from hf_sparse_attn.methods.bfla.profile import load_profile
+
+        try:
+            load_profile(config.profile)
+        except (OSError, ValueError) as e:
+            raise _err(str(e)) from e
     return Options(
         method=method, config=config, layers=layers,
         from_pretrained=os.fspath(from_pretrained) if from_pretrained is not None else None,

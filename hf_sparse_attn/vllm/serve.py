@@ -9,6 +9,8 @@ engines and warm-up calls go to vLLM's impl unchanged.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hf_sparse_attn.vllm.core import STATS, LayerRunner
@@ -62,6 +64,7 @@ class ServingMixin:
 
     hsa_options: Options | None = None
     hsa_runner: LayerRunner | None = None
+    hsa_model_config = None
 
     def _hsa_setup(self) -> None:
         from vllm.config import get_current_vllm_config_or_none
@@ -69,9 +72,10 @@ class ServingMixin:
         cfg = get_current_vllm_config_or_none()
         self.hsa_options = engine_options(cfg)
         self.hsa_tp = tensor_parallel(cfg) if self.hsa_options is not None else (0, 1)
-        self.hsa_total_kv_heads = None
+        self.hsa_total_kv_heads = self.hsa_model_config = None
         if self.hsa_options is not None and getattr(cfg, "model_config", None) is not None:
             self.hsa_total_kv_heads = cfg.model_config.get_total_num_kv_heads()
+            self.hsa_model_config = getattr(cfg.model_config, "hf_text_config", None)
         self.hsa_runner = None
 
     def _window(self) -> int | None:
@@ -109,6 +113,7 @@ class ServingMixin:
                 num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,
                 sliding_window=self._window(), softcap=self.logits_soft_cap or None, device=self._device(),
                 tp_rank=rank, tp_size=size, total_kv_heads=self.hsa_total_kv_heads, unsupported=self._unsupported(),
+                model_config=self.hsa_model_config,
             )
             if self.hsa_runner.active:
                 STATS.configure(opts, self.hsa_runner.layer_idx)
@@ -122,16 +127,22 @@ class ServingMixin:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         reason = f"sequence length < min_seq_len {runner.min_len}"
+        start = time.perf_counter()
         if split.all_theirs:
             STATS.handed_over(split.theirs, reason)
-            STATS.end_layer(runner.layer_idx)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+            STATS.end_layer(runner.layer_idx, self._elapsed(start))
+            return output
         if split.theirs:
             self._theirs(layer, query, key, value, kv_cache, split, output)
             STATS.handed_over(split.theirs, reason)
         self._ours(runner, query, self._store(runner, kv_cache), attn_metadata.block_table, split, output)
-        STATS.end_layer(runner.layer_idx)
+        STATS.end_layer(runner.layer_idx, self._elapsed(start))
         return output
+
+    def _elapsed(self, start: float) -> float | None:
+        """Wall seconds since ``start`` where they measure the work (CPU: the ops run synchronously), else None."""
+        return time.perf_counter() - start if self._device().type == "cpu" else None
 
     def _ours(self, runner: LayerRunner, query, store, block_table, split: RowSplit, output) -> None:
         bs = store.shape[2]

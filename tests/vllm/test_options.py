@@ -38,7 +38,7 @@ def test_defaults_and_method_config():
     ({"layers": [0, -1]}, "layers=[0, -1] is not allowed"),
     ({"log_stats": "yes"}, "log_stats='yes' is not allowed"),
     ({"from_pretrained": "/nonexistent/folder"}, "is not a folder written by PatchHandle.save"),
-    ({"method": "bfla", "profile": "p.json"}, "profile (a per-layer keep_mass file) is not supported"),
+    ({"method": "bfla", "profile": "/nonexistent/p.json"}, "bfla profile '/nonexistent/p.json' does not exist"),
 ])
 def test_bad_options_name_key_value_and_allowed(bad, needle):
     with pytest.raises(ValueError) as e:
@@ -94,3 +94,33 @@ def test_learned_parameters_cut_to_the_rank(tmp_path):
     with pytest.raises(ValueError, match="holds no parameters of layer 2"):
         LayerRunner(_opts(from_pretrained=str(tmp_path), layers="all"), layer_name="model.layers.2.self_attn.attn",
                     num_heads=4, **kw)
+
+
+def test_bfla_profile_gives_each_layer_its_keep_mass_cut_to_the_rank(tmp_path):
+    """bfla's ``profile``: the file is read when the options are parsed; each served layer takes its calibrated
+    per-head keep_mass (checked against the engine's model config), a rank its query heads' share."""
+    from hf_sparse_attn.methods.bfla.profile import config_hash, write_profile
+    from hf_sparse_attn.testing.tiny_configs import tiny_config
+    from hf_sparse_attn.vllm.core import LayerRunner
+
+    cfg = tiny_config("llama")
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    km = [round(0.5 + 0.1 * h, 2) for h in range(hkv)]
+    data = {"format": "hf_sparse_attn.bfla_profile", "version": 1, "model_type": cfg.model_type,
+            "config_hash": config_hash(cfg), "block_size": 128, "target_error": 0.05, "lengths": [1024],
+            "levels": [0.5, 1.0], "layers": {"1": {"keep_mass": km, "density": [0.5] * hkv, "error": [0.0] * hkv}}}
+    path = str(write_profile(data, tmp_path / "p.json"))
+    o = _opts(method="bfla", profile=path)
+    kw = dict(num_kv_heads=hkv // 2, head_size=cfg.hidden_size // hq, scale=0.1, sliding_window=None, softcap=None,
+              device=torch.device("cpu"), model_config=cfg)
+    per_q = [km[h // (hq // hkv)] for h in range(hq)]
+    r0 = LayerRunner(o, layer_name="model.layers.1.self_attn.attn", num_heads=hq // 2, tp_rank=0, tp_size=2, **kw)
+    r1 = LayerRunner(o, layer_name="model.layers.1.self_attn.attn", num_heads=hq // 2, tp_rank=1, tp_size=2, **kw)
+    assert list(r0.state.config.keep_mass) + list(r1.state.config.keep_mass) == per_q
+    other = LayerRunner(o, layer_name="model.layers.0.self_attn.attn", num_heads=hq, **{**kw, "num_kv_heads": hkv})
+    assert other.state.config.keep_mass == o.config.keep_mass  # no entry: the config's keep_mass
+    wrong = tiny_config("llama")
+    wrong.num_hidden_layers += 1
+    with pytest.raises(ValueError, match="was calibrated for another model"):
+        LayerRunner(o, layer_name="model.layers.1.self_attn.attn", num_heads=hq, **{**kw, "num_kv_heads": hkv,
+                                                                                     "model_config": wrong})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -178,9 +179,11 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
             layer.stats = {"dense": True, "path": "dense", "dense_reason": dense_reason}
         return _dense(q, k, v, mask, causal=causal, **kw)
     fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
+    t0 = time.perf_counter()
     k_l = _keys_for_lists(q, k, config)
     plan = make_plan(q, k_l, first_valid=fv, config=config, **kw)
     dense_reason = _density_rule(q, k, v, plan, config)
+    t1 = time.perf_counter()
     if dense_reason is not None:
         log_once(
             f"bfla: layers whose selected density exceeds dense_density={dense_density(config, q.device)} run the "
@@ -192,6 +195,8 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
     if layer is not None:
         layer.stats = {**_plan_stats(q, k, plan), "path": "sparse" if dense_reason is None else "dense",
                        "dense_reason": dense_reason}
+        if q.device.type == "cpu":  # wall times are the work's only where the ops run synchronously
+            layer.stats["timing"] = (t1 - t0, time.perf_counter() - t1)
     return out
 
 
@@ -227,9 +232,12 @@ def layer_stats(state: LayerState) -> dict[str, Any]:
     KV heads, or query heads with per-query-head lists); all None on layers bfla does not sparsify (sliding-window
     layers: see their ``band_density``). ``path``: "sparse" or "dense" (which attention ran); ``dense_reason``: why
     the dense path ran (None when sparse), e.g. ``"sequence length 2048 < min_seq_len 6144"`` or ``"selected
-    density 0.86 > dense_density 0.7 (the cpu default)"``."""
+    density 0.86 > dense_density 0.7 (the cpu default)"``. On CPU, after a plan: ``plan_seconds`` (the estimate, the
+    selection and the density rule) and ``attend_seconds`` (the attention that then ran), wall times."""
     st = state.stats
     route = {"path": st.get("path"), "dense_reason": st.get("dense_reason")}
+    if "timing" in st:
+        route["plan_seconds"], route["attend_seconds"] = st["timing"]
     if st.get("dense"):
         return {"density": 1.0, "selected_density": None, "density_per_head": None, **route}
     if "kept" not in st:  # no prefill yet, or a layer bfla does not sparsify (e.g. a windowed sliding layer)

@@ -63,7 +63,7 @@ from hf_sparse_attn.ops.entmax.cpu_tiles import (
 
 SUPPORT_KEYS = 64  # non-zero keys per row the forward keeps for the backward (more: that row's tiles are recomputed)
 _DENSE_PAIRS = 0.25  # general α: a group of rows with more candidate (row, key tile) pairs than this works densely
-_SLICE_ELEMS = 1 << 19  # general α, dense rows: score entries per slice of the τ solve (2 MB in fp32), at least
+_SLICE_ELEMS = 1 << 20  # general α, dense rows: score entries per slice of the τ solve (4 MB in fp32), at least
 # one row tile
 _GATHER_TILES = 0.8  # dense rows: a slice gathers its key tiles with a candidate pair where they are at most this many
 
@@ -179,7 +179,7 @@ def blockwise_forward(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, so
         return _one_query_forward(q, k, v, alpha, scale, softcap, mode, want_stats)
     call = _setup(q, k, v, alpha, n_valid, first_valid, bool_mask, scale, softcap, window, causal, mode, want_stats,
                   keep_support)
-    tasks = chunk_bounds(b, hq, sq, call.off, skv, causal, window, bool_mask is not None)
+    tasks = chunk_bounds(b, hq, sq, call.off, skv, causal, window, bool_mask is not None, inference=not keep_support)
     workers = run_workers(tasks, functools.partial(_forward_chunk, call), _Worker)
     diag = torch.tensor([max(w.updates for w in workers), max(w.err for w in workers)], dtype=torch.float32,
                         device=q.device)

@@ -17,6 +17,7 @@ from hf_sparse_attn.core.threads import parallel_map
 TILE = 64  # query rows and keys per tile of the tile mask (the Triton kernels use the same geometry)
 TILE_HIDDEN, TILE_ZERO, TILE_NONZERO = 0, 1, 2
 _CHUNK_ELEMS = 1 << 22  # score elements (B·Hq·rows·keys) of one forward (or dense backward) chunk
+_INFERENCE_CHUNK_SCALE = 2  # a forward without a backward: chunks this many times larger
 _INT_POW_MAX = 8  # _pow_support: integer exponents up to this by multiplication (≤ 4 multiplications)
 _MAX_WORKERS: int | None = None  # cap on the worker threads (None: torch.get_num_threads())
 
@@ -73,12 +74,13 @@ def key_span(a: int, c: int, off: int, kv_len: int, causal: bool, window: int, h
     return min(k0, k1), k1
 
 
-def _chunk_rows(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, causal: bool, window: int) -> int:
-    """Rows of the chunk starting at tile-aligned row ``a`` (its scores hold about ``_CHUNK_ELEMS`` values): whole
-    tiles, at least one; the last partial tile is a chunk of its own."""
+def _chunk_rows(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, causal: bool, window: int,
+                elems: int) -> int:
+    """Rows of the chunk starting at tile-aligned row ``a`` (its scores hold about ``elems`` values): whole tiles, at
+    least one; the last partial tile is a chunk of its own."""
     if sq - a < TILE:
         return sq - a
-    budget = _CHUNK_ELEMS / max(1, batch * hq)
+    budget = elems / max(1, batch * hq)
     if not causal:
         c = budget / max(1, kv_len)
     else:  # keys seen by rows [a, a + c): about base + c; solve c · (base + c) = budget
@@ -88,12 +90,15 @@ def _chunk_rows(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, cau
     return min(tiles * TILE, (sq - a) // TILE * TILE)
 
 
-def chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask) -> list[tuple[int, int]]:
-    """(row start, rows) of every chunk, most expensive first (the workers take them in this order)."""
+def chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask, inference: bool = False) -> list[tuple[int, int]]:
+    """(row start, rows) of every chunk, most expensive first (the workers take them in this order). A chunk holds
+    about ``_CHUNK_ELEMS`` score elements, ``_INFERENCE_CHUNK_SCALE`` times more for a forward that keeps nothing for
+    a backward (``inference``: fewer, larger chunks pay fewer per-op costs; with support lists kept they are slower)."""
+    elems = _CHUNK_ELEMS * (_INFERENCE_CHUNK_SCALE if inference else 1)
     out = []
     a = 0
     while a < sq:
-        cc = _chunk_rows(a, b, hq, sq, off, skv, causal and not has_bool_mask, window)
+        cc = _chunk_rows(a, b, hq, sq, off, skv, causal and not has_bool_mask, window, elems)
         out.append((a, cc))
         a += cc
     return out[::-1] if causal else out
