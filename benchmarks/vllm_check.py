@@ -69,6 +69,8 @@ def run(folder, config_name, items, args):
               enforce_eager=args.eager, enable_prefix_caching=not args.no_prefix_caching, seed=0)
     if args.batched_tokens:
         kw["max_num_batched_tokens"] = args.batched_tokens
+    if args.kv_bytes:
+        kw["kv_cache_memory_bytes"] = args.kv_bytes
     extra = CONFIGS[config_name]
     if extra is not None:
         extra = dict(extra, **json.loads(args.options or "{}"))
@@ -90,9 +92,10 @@ def run(folder, config_name, items, args):
         llm.reset_prefix_cache()
         outs = llm.generate([TokensPrompt(prompt_token_ids=it["ids"]) for it in items], sp, use_tqdm=False)
         concurrent = [list(o.outputs[0].token_ids) for o in outs]
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
     return {"config": config_name, "options": extra, "start_s": round(start, 1), "rows": rows,
-            "prefills": report["stats"]["prefills"], "concurrent": concurrent}
+            "prefills": report["stats"]["prefills"], "concurrent": concurrent, "preemptions": preemptions}
 
 
 def main():
@@ -106,6 +109,8 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--batched-tokens", type=int, default=None, help="max_num_batched_tokens (default: vLLM's)")
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help="kv_cache_memory_bytes (a small cache forces preemption; unset VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True")
     ap.add_argument("--concurrent", action="store_true", help="also run all prompts together (tokens compared)")
@@ -133,7 +138,9 @@ def main():
                       f"{'n/a' if d is None else round(d, 3)}")
         if res["concurrent"] is not None:
             alone = [r["tokens"] for r in res["rows"]]
-            print(f"  concurrent = alone: {res['concurrent'] == alone}")
+            same = [c == a for c, a in zip(res["concurrent"], alone, strict=True)]
+            print(f"  concurrent = alone: {all(same)} ({sum(same)}/{len(same)}); = {base['config']} alone: "
+                  f"{res['concurrent'] == [r['tokens'] for r in base['rows']]}; preemptions: {res['preemptions']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -134,6 +134,29 @@ def test_bfla_rows_go_sparse_on_a_chunk():
     split, _, runner = _serve(opts, [160, 200], [160, 70], method_kw=kw)
     st = runner.last_stats()  # the last row: the 70-query chunk of a 200-token sequence
     assert len(split.ours) == 2 and st["path"] == "sparse" and st["density"] < 1.0, st
+    assert st["plan_seconds"] > 0 and st["attend_seconds"] > 0  # CPU: wall times of the plan and the attention
+
+
+def test_stats_sum_the_attention_time_of_a_step_over_the_served_layers():
+    from hf_sparse_attn.vllm.core import StatsRecorder
+    from hf_sparse_attn.vllm.paged import Row
+
+    rec = StatsRecorder()
+    opts = parse_options({CONFIG_KEY: {"method": "bfla", "log_stats": False}})
+    for i in (0, 3):
+        rec.configure(opts, i)
+    row = Row(index=0, q_start=0, q_end=100, seq_len=300)
+    rec.layer(0, row, {"path": "sparse", "density": 0.5})
+    rec.end_layer(0, 0.25)
+    rec.layer(3, row, {"path": "dense", "density": 1.0})
+    rec.end_layer(3, 0.5)  # the last served layer: the step is flushed
+    rec.handed_over([row], "sequence length < min_seq_len 6144")  # a step vLLM's kernel serves
+    rec.end_layer(0, 0.125)
+    rec.end_layer(3, None)  # not measured (CUDA)
+    first, second = rec.snapshot()["prefills"]
+    assert first["attention_seconds"] == 0.75 and first["density"] == 0.75 and first["paths"] == {"sparse": 1,
+                                                                                                   "dense": 1}
+    assert second["attention_seconds"] == 0.125 and second["vllm"].startswith("sequence length")
 
 
 def test_entmax_family_rows_prefill_and_decode():
