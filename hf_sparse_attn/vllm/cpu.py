@@ -93,6 +93,8 @@ class HsaCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         opts = self.hsa_options
         if opts is None or md.dynamic_causal is not None or not md.causal:
             return md
+        if common_attn_metadata.max_query_len <= 1 and not opts.serves_decode:
+            return md  # a decode-only step: vLLM's kernel serves every row, with nothing to record
         split = split_rows(common_attn_metadata.query_start_loc_cpu, md.seq_lens.cpu(), row_rule(opts),
                            bfla_min_len(opts, torch.device("cpu")))
         if split.ours and split.theirs:
