@@ -66,7 +66,8 @@ def run(folder, config_name, items, args):
     from hf_sparse_attn.vllm import worker_report
 
     kw = dict(model=folder, dtype=args.dtype, max_model_len=max(len(it["ids"]) for it in items) + 64,
-              enforce_eager=args.eager, enable_prefix_caching=not args.no_prefix_caching, seed=0)
+              enforce_eager=args.eager, enable_prefix_caching=not args.no_prefix_caching, seed=0,
+              disable_log_stats=False)  # the preemption counter (get_metrics)
     if args.batched_tokens:
         kw["max_num_batched_tokens"] = args.batched_tokens
     if args.kv_bytes:
