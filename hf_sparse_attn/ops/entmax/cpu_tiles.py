@@ -92,9 +92,12 @@ def _chunk_rows(a: int, batch: int, hq: int, sq: int, off: int, kv_len: int, cau
 
 def chunk_bounds(b, hq, sq, off, skv, causal, window, has_bool_mask, inference: bool = False) -> list[tuple[int, int]]:
     """(row start, rows) of every chunk, most expensive first (the workers take them in this order). A chunk holds
-    about ``_CHUNK_ELEMS`` score elements, ``_INFERENCE_CHUNK_SCALE`` times more for a forward that keeps nothing for
-    a backward (``inference``: fewer, larger chunks pay fewer per-op costs; with support lists kept they are slower)."""
-    elems = _CHUNK_ELEMS * (_INFERENCE_CHUNK_SCALE if inference else 1)
+    about ``_CHUNK_ELEMS`` score elements; a forward that keeps nothing for a backward (``inference``) takes up to
+    ``_INFERENCE_CHUNK_SCALE`` times more where that stays within an eighth of one head's score matrix (fewer, larger
+    chunks pay fewer per-op costs; with support lists kept they are slower)."""
+    elems = _CHUNK_ELEMS
+    if inference:
+        elems = max(elems, min(elems * _INFERENCE_CHUNK_SCALE, sq * skv // 8))
     out = []
     a = 0
     while a < sq:
