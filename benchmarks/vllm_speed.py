@@ -40,11 +40,8 @@ def engine(folder: str, config: str, args, max_len: int):
     kw = dict(model=folder, dtype=args.dtype, max_model_len=max_len, enforce_eager=args.eager, seed=0)
     if args.batched_tokens:
         kw["max_num_batched_tokens"] = args.batched_tokens
-    extra = CONFIGS[config]
-    if extra is not None:
-        extra = {**extra, "log_stats": False, **json.loads(args.options or "{}")}
-        if config == "bfla-off":
-            extra.update(CONFIGS[config])
+    if CONFIGS[config] is not None:  # the config's own keys win over --options (bfla-off keeps its min_seq_len)
+        extra = {"log_stats": False, **json.loads(args.options or "{}"), **CONFIGS[config]}
         kw["additional_config"] = {"hf_sparse_attn": extra}
     return LLM(**kw)
 

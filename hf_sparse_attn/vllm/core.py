@@ -167,19 +167,18 @@ class LayerRunner:
                                 sparse_eligible=self.sliding_window is None)
         if self.active and self.method.init_layer is not None:
             total = num_heads * tp_size
+            head_slice = slice(tp_rank * num_heads, (tp_rank + 1) * num_heads)  # this rank's query heads
             self.method.init_layer(_Heads(total, model_config), self.state)
-            self._cut_keep_mass(tp_rank, total)
+            self._cut_keep_mass(total, head_slice)
             if self.state.params is not None:
-                head_slice = slice(tp_rank * num_heads, (tp_rank + 1) * num_heads)
                 _load_params(self.state, options, self.layer_idx or 0, total, head_slice)
                 self.state.params.to(device)
 
-    def _cut_keep_mass(self, tp_rank: int, total_heads: int) -> None:
+    def _cut_keep_mass(self, total_heads: int, head_slice: slice) -> None:
         """A per-query-head ``keep_mass`` of the whole layer (bfla's ``profile``) cut to this rank's heads."""
         km = getattr(self.state.config, "keep_mass", None)
-        if isinstance(km, tuple) and len(km) == total_heads and total_heads != self.num_heads:
-            heads = km[tp_rank * self.num_heads:(tp_rank + 1) * self.num_heads]
-            self.state.config = dataclasses.replace(self.state.config, keep_mass=heads)
+        if isinstance(km, tuple) and len(km) == total_heads and head_slice != slice(0, total_heads):
+            self.state.config = dataclasses.replace(self.state.config, keep_mass=km[head_slice])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q (1, Hq, Sq, D)`` (the row's chunk), ``k/v (1, Hkv, Skv, D)`` (all its keys) -> ``(1, Hq, Sq, D)``;
@@ -223,7 +222,7 @@ class StatsRecorder:
         self.decode_rows = 0
         self.steps = 0
         self._step: dict[tuple[int, int], dict[str, Any]] = {}
-        self._seconds: dict[int, float] = {}
+        self._step_seconds: float | None = None  # this step's measured time in the served layers so far
         self.active_layers: set[int] = set()
 
     def configure(self, options: Options, layer_idx: int | None) -> None:
@@ -266,12 +265,11 @@ class StatsRecorder:
             return
         with self.lock:
             if seconds is not None:
-                self._seconds[idx] = self._seconds.get(idx, 0.0) + seconds
+                self._step_seconds = (self._step_seconds or 0.0) + seconds
             if not self.active_layers or idx != max(self.active_layers):
                 return
             step, self._step = self._step, {}
-            seconds_total = sum(self._seconds.values()) if self._seconds else None
-            self._seconds = {}
+            seconds_total, self._step_seconds = self._step_seconds, None
             self.steps += 1
             records = [self._summary(r) for r in step.values()]
             for rec in records:

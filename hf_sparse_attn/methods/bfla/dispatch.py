@@ -196,7 +196,7 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
         layer.stats = {**_plan_stats(q, k, plan), "path": "sparse" if dense_reason is None else "dense",
                        "dense_reason": dense_reason}
         if q.device.type == "cpu":  # wall times are the work's only where the ops run synchronously
-            layer.stats["timing"] = (t1 - t0, time.perf_counter() - t1)
+            layer.stats.update(plan_seconds=t1 - t0, attend_seconds=time.perf_counter() - t1)
     return out
 
 
@@ -236,8 +236,7 @@ def layer_stats(state: LayerState) -> dict[str, Any]:
     selection and the density rule) and ``attend_seconds`` (the attention that then ran), wall times."""
     st = state.stats
     route = {"path": st.get("path"), "dense_reason": st.get("dense_reason")}
-    if "timing" in st:
-        route["plan_seconds"], route["attend_seconds"] = st["timing"]
+    route.update({k: st[k] for k in ("plan_seconds", "attend_seconds") if k in st})
     if st.get("dense"):
         return {"density": 1.0, "selected_density": None, "density_per_head": None, **route}
     if "kept" not in st:  # no prefill yet, or a layer bfla does not sparsify (e.g. a windowed sliding layer)
