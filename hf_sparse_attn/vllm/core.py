@@ -190,6 +190,30 @@ class LayerRunner:
                 sliding_window=self.sliding_window, config=self.state.config, layer=self.state,
             )
 
+    def plan(self, q: torch.Tensor, k: torch.Tensor):
+        """bfla's decision for a row (:func:`~hf_sparse_attn.methods.bfla.dispatch.route`) without its attention:
+        ``q (1, Hq, Sq, D)``, ``k (1, Hkv, Skv, D)`` as in :meth:`attend`. Returns the ``Route``."""
+        from hf_sparse_attn.methods.bfla.dispatch import route
+
+        self.state.stats = {}
+        with torch.inference_mode(), _intra_op_control():
+            return route(q, k, None, None, scale=self.scale, causal=True, softcap=self.softcap,
+                         sliding_window=self.sliding_window, config=self.state.config, layer=self.state)
+
+    def attend_planned(self, q: torch.Tensor, v: torch.Tensor, decided) -> torch.Tensor:
+        """bfla's own attention over the kept tiles of ``decided`` (a sparse ``Route`` of :meth:`plan`)."""
+        from hf_sparse_attn.methods.bfla.dispatch import attend
+
+        with torch.inference_mode(), _intra_op_control():
+            return attend(q, decided.keys, v, decided.plan, scale=self.scale, softcap=self.softcap,
+                          sliding_window=self.sliding_window, config=self.state.config)
+
+    def record(self, q: torch.Tensor, k: torch.Tensor, decided, attend_seconds: float) -> None:
+        """Store a :meth:`plan` row's route and attention time for :meth:`last_stats`."""
+        from hf_sparse_attn.methods.bfla.dispatch import record
+
+        record(self.state, q, k, decided, attend_seconds)
+
     def window_start(self, row: Row) -> int:
         """The first key any query of ``row`` can see (0 without a sliding window)."""
         if self.sliding_window is None:

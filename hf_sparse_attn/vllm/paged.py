@@ -35,16 +35,65 @@ def block_ids(block_table_row: torch.Tensor, length: int, block_size: int) -> to
 
 
 def gather_paged(cache: torch.Tensor, blocks: torch.Tensor, length: int, head_dim: int,
-                 start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``start .. length-1`` of one sequence as contiguous ``(1, Hkv, length - start, D)``.
-    ``blocks``: the sequence's block ids (:func:`block_ids`)."""
+                 start: int = 0, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys and values ``start .. length-1`` of one sequence as contiguous ``(1, Hkv, length - start, D)``
+    (values None with ``values=False``). ``blocks``: the sequence's block ids (:func:`block_ids`)."""
     bs = cache.shape[2]
     first = start // bs
-    got = cache.index_select(0, blocks[first:])  # (nblk, Hkv, bs, 2D)
+    src = cache if values else cache[..., :head_dim]
+    got = src.index_select(0, blocks[first:])  # (nblk, Hkv, bs, 2D), or (.., D) for keys only
     hkv = got.shape[1]
     kv = got.permute(1, 0, 2, 3).reshape(hkv, got.shape[0] * bs, got.shape[3])
     kv = kv[:, start - first * bs: length - first * bs]
-    return kv[..., :head_dim].unsqueeze(0).contiguous(), kv[..., head_dim: 2 * head_dim].unsqueeze(0).contiguous()
+    k = kv[..., :head_dim].unsqueeze(0).contiguous()
+    return k, kv[..., head_dim: 2 * head_dim].unsqueeze(0).contiguous() if values else None
+
+
+@dataclass
+class TileBatch:
+    """The kept tiles of one row's plan as a batch of sequences for a paged causal kernel (vLLM's): every
+    (list head, query block) is one sequence whose block table lists the cache blocks of its kept key tiles in
+    ascending order. Its queries are the query block's rows; the causal edge stays exact because the kept tiles
+    before the query block are wholly visible and the list ends with the key tiles the query block overlaps, laid
+    out contiguously so that the kernel's bottom-right alignment puts every query on its own key.
+
+    ``query_start_loc (NQ+1,)`` int32 (the query blocks' rows within the row's chunk), ``seq_lens (H, NQ)`` int32,
+    ``block_tables (H, NQ, M)`` int32 (entries past a sequence's length are never read)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def kept_tile_batch(plan, query_len: int, blocks: torch.Tensor, cache_block: int) -> TileBatch | None:
+    """The :class:`TileBatch` of a one-row plan (a ``BflaPlan``: ``counts (1,H,NQ)``, ``ids (1,H,NQ,NK)``, no
+    padding) of ``query_len`` queries whose row's cache blocks are ``blocks``
+    (:func:`block_ids`). ``plan.block_size`` must be a multiple of ``cache_block``. None when some query block's
+    list does not end with every key tile the block overlaps (``local=-1`` can drop them): the kernel's causal
+    alignment would then be wrong, so such a plan needs bfla's own attention."""
+    bs = plan.block_size
+    per = bs // cache_block
+    counts, ids = plan.counts[0].long(), plan.ids[0].long()  # (H, NQ), (H, NQ, NK)
+    nq = counts.shape[1]
+    q_first = plan.q_offset + torch.arange(nq) * bs  # absolute positions of each query block's first / last query
+    q_last = (q_first + bs).clamp(max=plan.q_offset + query_len) - 1
+    first_tile, last_tile = q_first // bs, q_last // bs
+    tail = last_tile - first_tile + 1  # the key tiles each query block overlaps
+    if bool((counts < tail).any()):
+        return None
+    ends = ids.gather(-1, (counts - 1).unsqueeze(-1)).squeeze(-1)
+    starts = ids.gather(-1, (counts - tail).unsqueeze(-1)).squeeze(-1)
+    if not (bool((ends == last_tile).all()) and bool((starts == first_tile).all())):
+        return None
+    seq_lens = (counts - tail) * bs + (q_last - first_tile * bs + 1)
+    width = int(counts.max()) * per
+    tiles = ids[..., : int(counts.max())]  # (H, NQ, C)
+    cache_idx = (tiles.unsqueeze(-1) * per + torch.arange(per)).flatten(-2)[..., :width]
+    cache_idx = cache_idx.clamp_(max=blocks.numel() - 1)  # the last tile's unused cache blocks: never read
+    qlens = q_last - q_first + 1
+    qsl = torch.zeros(nq + 1, dtype=torch.int32)
+    torch.cumsum(qlens, 0, out=qsl[1:])
+    return TileBatch(qsl, seq_lens.to(torch.int32), blocks[cache_idx].to(torch.int32))
 
 
 @dataclass

@@ -136,7 +136,7 @@ class ServingMixin:
         if split.theirs:
             self._theirs(layer, query, key, value, kv_cache, split, output)
             STATS.handed_over(split.theirs, reason)
-        self._ours(runner, query, self._store(runner, kv_cache), attn_metadata.block_table, split, output)
+        self._ours(layer, runner, query, kv_cache, attn_metadata.block_table, split, output)
         STATS.end_layer(runner.layer_idx, self._elapsed(start))
         return output
 
@@ -144,7 +144,9 @@ class ServingMixin:
         """Wall seconds since ``start`` where they measure the work (CPU: the ops run synchronously), else None."""
         return time.perf_counter() - start if self._device().type == "cpu" else None
 
-    def _ours(self, runner: LayerRunner, query, store, block_table, split: RowSplit, output) -> None:
+    def _ours(self, layer, runner: LayerRunner, query, kv_cache, block_table, split: RowSplit, output) -> None:
+        """Our rows: each gathers its K/V from :meth:`_store` by its block table and runs the method."""
+        store = self._store(runner, kv_cache)
         bs = store.shape[2]
         for row in split.ours:
             start = runner.window_start(row)

@@ -116,8 +116,8 @@ def test_dense_under_preemption_equals_vllm(tiny_model, monkeypatch):
 
 def test_bfla_goes_sparse_on_chunks(tiny_model):
     """min_seq_len=512 against 256-token chunks: bfla's rule looks at the sequence's length (700, 1000), so chunks
-    of 256 queries take the sparse path; shorter prompts run vLLM's kernel."""
-    extra = {"method": "bfla", "min_seq_len": 512, "block_size": 64, "keep_mass": 0.5, "flat_entropy": 1.0,
+    of 256 queries take the sparse path, its kept tiles on vLLM's kernel; shorter prompts run vLLM's kernel."""
+    extra = {"method": "bfla", "min_seq_len": 512, "block_size": 128, "keep_mass": 0.5, "flat_entropy": 1.0,
              "dense_density": 1.0}
     tokens, info = _generate(tiny_model, _prompts(), extra)
     assert all(len(t) == MAX_TOKENS for t in tokens)
@@ -125,6 +125,7 @@ def test_bfla_goes_sparse_on_chunks(tiny_model):
     sparse = [r for r in recs if r.get("paths", {}).get("sparse")]
     assert sparse and all(r["seq_len"] >= 512 for r in sparse)
     assert any(r["query_len"] < r["seq_len"] and r["density"] < 1.0 for r in sparse), sparse
+    assert all(s["kernel"] == "vllm" for r in sparse for s in r["per_layer"].values())
     assert any(r.get("vllm") for r in recs if r["seq_len"] < 512)
 
 

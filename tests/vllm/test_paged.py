@@ -13,9 +13,18 @@ import pytest
 import torch
 
 from hf_sparse_attn.functional import sparse_attention
+from hf_sparse_attn.methods.bfla import BflaConfig, make_plan
+from hf_sparse_attn.ops.block_sparse.naive import reference_sparse_fwd
 from hf_sparse_attn.vllm.core import LayerRunner
 from hf_sparse_attn.vllm.options import CONFIG_KEY, parse_options
-from hf_sparse_attn.vllm.paged import block_ids, gather_paged, split_rows, subset_fields, write_paged
+from hf_sparse_attn.vllm.paged import (
+    block_ids,
+    gather_paged,
+    kept_tile_batch,
+    split_rows,
+    subset_fields,
+    write_paged,
+)
 from hf_sparse_attn.vllm.serve import ServingMixin
 
 BS, HQ, HKV, D = 16, 4, 2, 32
@@ -71,6 +80,68 @@ def test_write_matches_the_triton_layout_and_skips_padding():
     assert torch.equal(mine, cache)
 
 
+def test_gather_keys_only():
+    cache, table, seqs = _paged_batch([70])
+    k, v = seqs[0]
+    gk, gv = gather_paged(cache, block_ids(table[0], 70, BS), 70, D, start=5, values=False)
+    assert gv is None and torch.equal(gk, k[:, :, 5:])
+
+
+def _paged_causal(query, cache, qsl, seq_lens, table, scale):
+    """What vLLM's paged causal kernel computes (``cpu_attention_with_kv_cache``), over the plain layout: sequence
+    ``i``'s queries ``qsl[i]:qsl[i+1]`` (``(T, H, D)``) sit at the last positions of its ``seq_lens[i]`` keys, read
+    through ``table[i]``; query heads share KV heads in groups."""
+    out = torch.zeros_like(query)
+    for i in range(len(seq_lens)):
+        n, q = int(seq_lens[i]), query[int(qsl[i]): int(qsl[i + 1])]
+        k, v = gather_paged(cache, block_ids(table[i], n, cache.shape[2]), n, q.shape[-1])
+        rep = q.shape[1] // k.shape[1]
+        k, v = k[0].repeat_interleave(rep, 0), v[0].repeat_interleave(rep, 0)
+        s = torch.einsum("qhd,hkd->hqk", q, k) * scale
+        allowed = torch.arange(n)[None, :] <= torch.arange(n - q.shape[0], n)[:, None]
+        out[int(qsl[i]): int(qsl[i + 1])] = torch.einsum("hqk,hkd->qhd", s.masked_fill(~allowed, -torch.inf)
+                                                          .softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("tile,lists", [(16, "group"), (32, "group"), (16, "head")])
+@pytest.mark.parametrize("seq_len,query_len", [(200, 200), (200, 73), (161, 48), (97, 5)])
+def test_kept_tiles_as_paged_sequences_equal_the_plan(tile, lists, seq_len, query_len):
+    """A bfla plan of a chunk (aligned or not with the tiles) as a batch of paged sequences, one per (list head, query
+    block), through a kernel with vLLM's semantics: the attention of the plan's kept tiles exactly."""
+    cache, table, seqs = _paged_batch([seq_len])
+    k, v = seqs[0]
+    q = torch.randn(1, HQ, query_len, D, generator=torch.Generator().manual_seed(2))
+    cfg = BflaConfig(block_size=tile, keep_mass=0.5, flat_entropy=1.0, dense_last_blocks=0, head_lists=lists)
+    k_lists = k.repeat_interleave(HQ // HKV, 1) if lists == "head" else k
+    plan = make_plan(q, k_lists, scale=D**-0.5, config=cfg)
+    blocks = block_ids(table[0], seq_len, BS)
+    batch = kept_tile_batch(plan, query_len, blocks, BS)
+    assert batch is not None and batch.seq_lens.shape == plan.counts.shape[1:]
+    per = HQ // plan.counts.shape[1]
+    out = torch.empty(query_len, HQ, D)
+    rows = q[0].transpose(0, 1)
+    for h in range(plan.counts.shape[1]):
+        kvh = h * per // (HQ // HKV)
+        heads = slice(h * per, (h + 1) * per)
+        out[:, heads] = _paged_causal(rows[:, heads], cache[:, kvh: kvh + 1], batch.query_start_loc,
+                                      batch.seq_lens[h], batch.block_tables[h], D**-0.5)
+    ref, _ = reference_sparse_fwd(q, k_lists, v.repeat_interleave(k_lists.shape[1] // HKV, 1), plan.counts,
+                                  plan.ids, D**-0.5, 0.0, 0, tile)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1), atol=2e-5, rtol=1e-4)
+    assert float(plan.counts.sum() / plan.valid.sum() / plan.counts.shape[1]) < 1.0 or query_len <= tile
+
+
+def test_kept_tiles_need_the_query_blocks_own_tiles():
+    """``local=-1``: a query block may drop the key tiles it overlaps; no paged batch then (bfla's own attention)."""
+    cache, table, seqs = _paged_batch([200])
+    k, _ = seqs[0]
+    q = torch.randn(1, HQ, 200, D, generator=torch.Generator().manual_seed(2))
+    plan = make_plan(q, k, scale=D**-0.5, config=BflaConfig(block_size=16, keep_mass=0.3, local=-1, min_blocks=0,
+                                                           dense_last_blocks=0, flat_entropy=1.0, sink=0))
+    assert kept_tile_batch(plan, 200, block_ids(table[0], 200, BS), BS) is None
+
+
 def test_split_rows():
     qsl = torch.tensor([0, 1, 301, 302, 352])
     lens = torch.tensor([900, 300, 7000, 7050])  # decode, full prefill, decode, a chunk of 50 of a 7050 prompt
@@ -91,6 +162,9 @@ def test_split_rows():
 class _Impl(ServingMixin):
     head_size = D
 
+    def _store(self, runner, kv_cache):
+        return kv_cache
+
 
 def _serve(options, lengths, query_lens, window=None, softcap=None, method_kw=None):
     """Our rows of a batch over a simulated paged cache vs ``sparse_attention`` on each row's contiguous K/V."""
@@ -107,7 +181,7 @@ def _serve(options, lengths, query_lens, window=None, softcap=None, method_kw=No
                          head_size=D, scale=D**-0.5, sliding_window=window, softcap=softcap,
                          device=torch.device("cpu"))
     assert runner.active
-    _Impl()._ours(runner, query, cache, table, split, output)
+    _Impl()._ours(None, runner, query, cache, table, split, output)
     for row in split.ours:
         k, v = seqs[row.index]
         q = query[row.q_start: row.q_end].permute(1, 0, 2).unsqueeze(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -142,7 +143,7 @@ def _density_rule(q, k, v, plan, config) -> str | None:
     limit = dense_density(config, q.device)
     if limit >= 1.0:
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
         return None  # training keeps the sparse pattern it is trained with
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         log_once("bfla: the dense_density rule is skipped inside CUDA-graph capture (it reads the plan's density "
@@ -169,34 +170,69 @@ def _dense(q, k, v, mask, *, scale, causal, softcap, sliding_window):
     )
 
 
-def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer):
+@dataclass
+class Route:
+    """What bfla decided for one call. ``plan``: None where no plan was built (the call is not eligible);
+    ``dense_reason``: why the exact dense path runs (None: the sparse path runs); ``keys``: K as the plan's lists
+    see it (repeated per query head where the config keeps one list per query head); ``plan_seconds``: wall time
+    of the estimate, the selection and the density rule."""
+
+    plan: BflaPlan | None
+    dense_reason: str | None
+    keys: torch.Tensor
+    plan_seconds: float = 0.0
+
+    @property
+    def sparse(self) -> bool:
+        return self.plan is not None and self.dense_reason is None
+
+
+def route(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer) -> Route:
+    """bfla's decision for one call ``q (B,Hq,Sq,D)``, ``k (B,Hkv,Skv,D)`` (``v`` may be None: it is only looked
+    at for training): the eligibility rules, then the plan and the "never slower than dense" density rule."""
     sparse, reason, dense_reason = _fallback_reason(q, mask, causal, config, layer)
-    kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window)
     if not sparse:
         if reason is not None:
             log_once(reason)
-        if layer is not None and layer.sparse_eligible and q.shape[2] > 1:
-            layer.stats = {"dense": True, "path": "dense", "dense_reason": dense_reason}
-        return _dense(q, k, v, mask, causal=causal, **kw)
+        return Route(None, dense_reason, k)
     fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
     t0 = time.perf_counter()
     k_l = _keys_for_lists(q, k, config)
-    plan = make_plan(q, k_l, first_valid=fv, config=config, **kw)
+    plan = make_plan(q, k_l, first_valid=fv, config=config, scale=scale, softcap=softcap,
+                     sliding_window=sliding_window)
     dense_reason = _density_rule(q, k, v, plan, config)
-    t1 = time.perf_counter()
     if dense_reason is not None:
         log_once(
             f"bfla: layers whose selected density exceeds dense_density={dense_density(config, q.device)} run the "
             "exact dense path (stats(): path, dense_reason; dense_density=1.0 disables the rule)"
         )
-        out = _dense(q, k, v, mask, causal=causal, **kw)
+    return Route(plan, dense_reason, k_l, time.perf_counter() - t0)
+
+
+def record(layer: LayerState | None, q: torch.Tensor, k: torch.Tensor, decided: Route,
+           attend_seconds: float) -> None:
+    """Store what :func:`route` decided and what ran in ``layer.stats`` (read by :func:`layer_stats`)."""
+    if layer is None:
+        return
+    if decided.plan is None:
+        if layer.sparse_eligible and q.shape[2] > 1:
+            layer.stats = {"dense": True, "path": "dense", "dense_reason": decided.dense_reason}
+        return
+    layer.stats = {**_plan_stats(q, k, decided.plan), "path": "sparse" if decided.sparse else "dense",
+                   "dense_reason": decided.dense_reason}
+    if q.device.type == "cpu":  # wall times are the work's only where the ops run synchronously
+        layer.stats.update(plan_seconds=decided.plan_seconds, attend_seconds=attend_seconds)
+
+
+def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer):
+    kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window)
+    decided = route(q, k, v, mask, causal=causal, config=config, layer=layer, **kw)
+    t1 = time.perf_counter()
+    if decided.sparse:
+        out = attend(q, decided.keys, v, decided.plan, config=config, **kw)
     else:
-        out = attend(q, k_l, v, plan, config=config, **kw)
-    if layer is not None:
-        layer.stats = {**_plan_stats(q, k, plan), "path": "sparse" if dense_reason is None else "dense",
-                       "dense_reason": dense_reason}
-        if q.device.type == "cpu":  # wall times are the work's only where the ops run synchronously
-            layer.stats.update(plan_seconds=t1 - t0, attend_seconds=time.perf_counter() - t1)
+        out = _dense(q, k, v, mask, causal=causal, **kw)
+    record(layer, q, k, decided, time.perf_counter() - t1)
     return out
 
 
