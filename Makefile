@@ -25,14 +25,15 @@ setup: $(STAMP)
 ## The test suite (CPU; Triton kernels run under TRITON_INTERPRET=1). Slow real-model checks: `make test-slow`.
 ## Two pytest-xdist workers, one test file each at a time: the interpreter tests are single-threaded Python, so one
 ## worker alone leaves a core idle (tests/conftest.py gives each worker its share of torch threads).
-## Then the vLLM plugin's engine tests in .venv-vllm (made on first use, ~2 min; the tests ~1 min; VLLM_TESTS=0 skips
-## this step). The plugin's other tests (tests/vllm/test_options.py, test_paged.py) need no vLLM and run above.
+## Then the vLLM plugin's tests that need vLLM in .venv-vllm (made on first use, ~2 min; the tests ~1 min; VLLM_TESTS=0
+## skips this step): the engine tests and bfla's kept tiles on vLLM's CPU kernel. The plugin's other tests
+## (tests/vllm/test_options.py, test_paged.py) need no vLLM and run above.
 TEST_WORKERS ?= 2
 VLLM_TESTS ?= 1
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 ifneq ($(VLLM_TESTS),0)
-	$(MAKE) test-vllm VLLM_TEST_PATHS=tests/vllm/test_engine.py
+	$(MAKE) test-vllm VLLM_TEST_PATHS="tests/vllm/test_engine.py tests/vllm/test_cpu_kernel.py"
 endif
 
 ## The same suite against the oldest supported releases, transformers 5.17 and Triton 3.6 (what the GPU machines

@@ -55,11 +55,6 @@ def check_config(vllm_config) -> None:
             attn_config.backend = AttentionBackendEnum.CUSTOM
     logger.info("hf_sparse_attn: method %r, config %s, layers %s", options.method, options.config.to_dict(),
                 options.layers if options.layers is not None else "default")
-    if device == "cpu" and options.method == "bfla":
-        logger.warning(
-            "hf_sparse_attn: on CPU, bfla's sparse pass costs several times vLLM's CPU attention kernel per kept "
-            "tile, so bfla prefills through the plugin are slower than vLLM's own backend unless few tiles are kept "
-            "(docs/vllm.md, 'Speed'); it serves studying bfla inside vLLM, not speed")
 
 
 def _wrap_platform_check(platform_cls) -> None:

@@ -170,7 +170,7 @@ def test_bad_option_is_a_clear_error_at_engine_start(tiny_model):
 def test_tensor_parallel_2_equals_1(tiny_model, monkeypatch):
     """``tensor_parallel_size=2`` (gloo, one core per rank; 2 query / 1 KV heads per rank): the same tokens as one
     rank, dense and bfla (bfla plans every rank's heads as the unsplit layer does)."""
-    bfla = {"method": "bfla", "min_seq_len": 512, "block_size": 64, "keep_mass": 0.5, "flat_entropy": 1.0,
+    bfla = {"method": "bfla", "min_seq_len": 512, "block_size": 128, "keep_mass": 0.5, "flat_entropy": 1.0,
             "dense_density": 1.0}
     prompts = _prompts()[:3]
     expected = {name: _generate(tiny_model, prompts, extra)[0] for name, extra in (("dense", None), ("bfla", bfla))}
