@@ -200,12 +200,12 @@ class LayerRunner:
             return route(q, k, None, None, scale=self.scale, causal=True, softcap=self.softcap,
                          sliding_window=self.sliding_window, config=self.state.config, layer=self.state)
 
-    def attend_planned(self, q: torch.Tensor, v: torch.Tensor, decided) -> torch.Tensor:
+    def attend_planned(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decided) -> torch.Tensor:
         """bfla's own attention over the kept tiles of ``decided`` (a sparse ``Route`` of :meth:`plan`)."""
         from hf_sparse_attn.methods.bfla.dispatch import attend
 
         with torch.inference_mode(), _intra_op_control():
-            return attend(q, decided.keys, v, decided.plan, scale=self.scale, softcap=self.softcap,
+            return attend(q, k, v, decided.plan, scale=self.scale, softcap=self.softcap,
                           sliding_window=self.sliding_window, config=self.state.config)
 
     def record(self, q: torch.Tensor, k: torch.Tensor, decided, attend_seconds: float) -> None:

@@ -246,7 +246,7 @@ class HsaCPUImpl(ServingMixin, CPUAttentionBackendImpl):
             log_once("hf_sparse_attn: bfla plans whose query blocks do not keep their own key tiles (local=-1) run "
                      "bfla's own CPU attention, slower than vLLM's kernel")
             _, v = gather_paged(store, blocks, row.seq_len, self.head_size)
-            out.copy_(runner.attend_planned(q, v, decided)[0].transpose(0, 1))
+            out.copy_(runner.attend_planned(q, k, v, decided)[0].transpose(0, 1))
         else:
             sub = torch.empty_like(q_rows)
             kernel(q_rows, *_kernel_views(kv_cache), torch.tensor([0, row.query_len], dtype=torch.int32),

@@ -44,7 +44,7 @@ def test_kept_tiles_on_vllms_kernel_equal_the_plan(dtype, hq, hkv, d, lists, seq
     k4, v4 = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
     cfg = BflaConfig(block_size=tile, keep_mass=0.5, flat_entropy=1.0, dense_last_blocks=0, head_lists=lists)
     k_lists = k4.repeat_interleave(hq // hkv, 1) if lists == "head" else k4
-    plan = make_plan(q4, k_lists, scale=d**-0.5, config=cfg)
+    plan = make_plan(q4, k4, scale=d**-0.5, config=cfg)  # per-query-head lists from the KV heads as they are
     batch = kept_tile_batch(plan, query_len, block_ids(blocks, seq_len, CB), CB)
     assert batch is not None
     out = torch.full_like(q, float("nan"))

@@ -114,7 +114,7 @@ def test_kept_tiles_as_paged_sequences_equal_the_plan(tile, lists, seq_len, quer
     q = torch.randn(1, HQ, query_len, D, generator=torch.Generator().manual_seed(2))
     cfg = BflaConfig(block_size=tile, keep_mass=0.5, flat_entropy=1.0, dense_last_blocks=0, head_lists=lists)
     k_lists = k.repeat_interleave(HQ // HKV, 1) if lists == "head" else k
-    plan = make_plan(q, k_lists, scale=D**-0.5, config=cfg)
+    plan = make_plan(q, k, scale=D**-0.5, config=cfg)
     blocks = block_ids(table[0], seq_len, BS)
     batch = kept_tile_batch(plan, query_len, blocks, BS)
     assert batch is not None and batch.seq_lens.shape == plan.counts.shape[1:]

@@ -55,13 +55,6 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _keys_for_lists(q: torch.Tensor, k: torch.Tensor, config: BflaConfig) -> torch.Tensor:
-    """K as the plan and the attention of one call see it: repeated once per query head where the config keeps one
-    list per query head (so :func:`make_plan` and :func:`attend` do not each repeat it; :func:`attend` repeats V
-    only when it runs), else unchanged."""
-    return _repeat_kv(k, q.shape[1]) if lists_per_query_head(q.shape[1], k.shape[1], config) else k
-
-
 def make_plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,19 +68,15 @@ def make_plan(
     """The plan of one call: :func:`build_plan`, whose CPU ``rows`` estimate runs its chunks on the worker threads
     (:func:`.estimate._estimate_rows_fused`); on CPU otherwise one KV group per worker thread (:mod:`.cpu_threads`).
     All give the same lists: ``counts (B,H,NQ)`` with ``H`` = the KV heads, or the query heads where the config
-    keeps one list per query head (:func:`.config.lists_per_query_head`; the estimate is the same, the union over
-    the group is skipped)."""
-    if lists_per_query_head(q.shape[1], k.shape[1], config):
-        k = _repeat_kv(k, q.shape[1])
+    keeps one list per query head (:func:`.config.lists_per_query_head`; the estimate is the same, on the KV heads
+    as they are, and the union over the group is skipped)."""
+    lists = q.shape[1] if lists_per_query_head(q.shape[1], k.shape[1], config) else k.shape[1]
+    kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid,
+              lists=lists)
     if q.device.type == "cpu" and not (config.estimator == "rows" and fused_rows_ok(q, softcap, sliding_window,
                                                                                     first_valid)):
-        return build_plan_parallel(
-            q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid,
-            workers=torch.get_num_threads(),
-        )
-    return build_plan(
-        q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=first_valid
-    )
+        return build_plan_parallel(q, k, workers=torch.get_num_threads(), **kw)
+    return build_plan(q, k, **kw)
 
 
 def attend(
@@ -102,7 +91,7 @@ def attend(
     config: BflaConfig,
 ) -> torch.Tensor:
     """Exact attention inside the plan's kept tiles on the configured backend (see :class:`BflaConfig`). A plan
-    with one list per query head (:func:`make_plan`) sees K/V repeated per query head."""
+    with one list per query head (:func:`make_plan`) sees K/V repeated per query head (a copy, made here)."""
     k, v = _repeat_kv(k, plan.counts.shape[1]), _repeat_kv(v, plan.counts.shape[1])
     flex_problem = None
     if config.backend == "flex":
@@ -132,7 +121,6 @@ def bfla_attention(
     """The sparse path (no gating): plan + attention. Returns ``(out (B,Hq,Sq,D), plan)``. ``first_valid (B,)``:
     left padding (the first valid key of every batch row), honoured by the plan and every attention path."""
     kw = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, config=config)
-    k = _keys_for_lists(q, k, config)
     plan = make_plan(q, k, first_valid=first_valid, **kw)
     return attend(q, k, v, plan, **kw), plan
 
@@ -173,13 +161,11 @@ def _dense(q, k, v, mask, *, scale, causal, softcap, sliding_window):
 @dataclass
 class Route:
     """What bfla decided for one call. ``plan``: None where no plan was built (the call is not eligible);
-    ``dense_reason``: why the exact dense path runs (None: the sparse path runs); ``keys``: K as the plan's lists
-    see it (repeated per query head where the config keeps one list per query head); ``plan_seconds``: wall time
-    of the estimate, the selection and the density rule."""
+    ``dense_reason``: why the exact dense path runs (None: the sparse path runs); ``plan_seconds``: wall time of
+    the estimate, the selection and the density rule."""
 
     plan: BflaPlan | None
     dense_reason: str | None
-    keys: torch.Tensor
     plan_seconds: float = 0.0
 
     @property
@@ -194,19 +180,17 @@ def route(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, laye
     if not sparse:
         if reason is not None:
             log_once(reason)
-        return Route(None, dense_reason, k)
+        return Route(None, dense_reason)
     fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
     t0 = time.perf_counter()
-    k_l = _keys_for_lists(q, k, config)
-    plan = make_plan(q, k_l, first_valid=fv, config=config, scale=scale, softcap=softcap,
-                     sliding_window=sliding_window)
+    plan = make_plan(q, k, first_valid=fv, config=config, scale=scale, softcap=softcap, sliding_window=sliding_window)
     dense_reason = _density_rule(q, k, v, plan, config)
     if dense_reason is not None:
         log_once(
             f"bfla: layers whose selected density exceeds dense_density={dense_density(config, q.device)} run the "
             "exact dense path (stats(): path, dense_reason; dense_density=1.0 disables the rule)"
         )
-    return Route(plan, dense_reason, k_l, time.perf_counter() - t0)
+    return Route(plan, dense_reason, time.perf_counter() - t0)
 
 
 def record(layer: LayerState | None, q: torch.Tensor, k: torch.Tensor, decided: Route,
@@ -229,7 +213,7 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, l
     decided = route(q, k, v, mask, causal=causal, config=config, layer=layer, **kw)
     t1 = time.perf_counter()
     if decided.sparse:
-        out = attend(q, decided.keys, v, decided.plan, config=config, **kw)
+        out = attend(q, k, v, decided.plan, config=config, **kw)
     else:
         out = _dense(q, k, v, mask, causal=causal, **kw)
     record(layer, q, k, decided, time.perf_counter() - t1)

@@ -22,35 +22,37 @@ def build_plan_parallel(
     config: Any,
     first_valid: torch.Tensor | None,
     workers: int,
+    lists: int | None = None,
 ):
-    """:func:`~hf_sparse_attn.ops.bfla_plan.select.build_plan`, one KV group per pool item (single-threaded ops).
+    """:func:`~hf_sparse_attn.ops.bfla_plan.select.build_plan`, one list (a KV group, or a query head where
+    ``lists`` is the query heads) per pool item (single-threaded ops).
 
-    Every stage of the plan is independent across KV groups (estimate per query head, selection, union over the
-    group, rescues, flat heads, compaction per row), so the per-group plans concatenated along the head axis equal
-    the whole plan exactly (``torch.equal``; tested). A per-query-head ``keep_mass`` is sliced per group; where
-    that would change the keep-all shortcut of one group (some groups all at 1.0, others not) the whole plan is
-    built in one item."""
-
-
+    Every stage of the plan is independent across lists (estimate per query head, selection, union over the
+    group, rescues, flat heads, compaction per row), so the per-list plans concatenated along the head axis equal
+    the whole plan exactly (``torch.equal``; tested). A per-query-head ``keep_mass`` is sliced per list; where
+    that would change the keep-all shortcut of one list (some all at 1.0, others not) the whole plan is built in
+    one item."""
     hq, hkv = q.shape[1], k.shape[1]
-    rep = hq // hkv
+    n = lists or hkv  # pool items: one per list (a KV group, or a query head with per-query-head lists)
+    heads = hq // n  # query heads of one list
     km = as_tuple(config.keep_mass)
-    configs = [config] * hkv
+    configs = [config] * n
     if len(km) > 1:
-        parts = [km[h * rep : (h + 1) * rep] for h in range(hkv)]
+        parts = [km[i * heads : (i + 1) * heads] for i in range(n)]
         whole_keep_all = min(km) >= 1.0
         if any((min(p) >= 1.0) != whole_keep_all for p in parts):
-            hkv, rep, configs = 1, hq, [config]
+            n, heads, configs = 1, hq, [config]
         else:
             configs = [dataclasses.replace(config, keep_mass=p) for p in parts]
 
-    def one(h: int):
+    def one(i: int):
+        kv = i * heads // (hq // hkv)  # the list's KV head
         return build_plan(
-            q[:, h * rep : (h + 1) * rep], k[:, h : h + 1] if hkv > 1 else k, scale=scale, softcap=softcap,
-            sliding_window=sliding_window, config=configs[h], first_valid=first_valid,
+            q[:, i * heads : (i + 1) * heads], k[:, kv : kv + 1] if n > 1 else k, scale=scale, softcap=softcap,
+            sliding_window=sliding_window, config=configs[i], first_valid=first_valid, lists=None if n > 1 else lists,
         )
 
-    plans = parallel_map(one, range(hkv), workers)
+    plans = parallel_map(one, range(n), workers)
     if len(plans) == 1:
         return plans[0]
     p0 = plans[0]

@@ -178,7 +178,7 @@ def plan_on_triton(q: torch.Tensor, config: PlanOptions) -> bool:
     return use_triton(q, config) and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all):
+def _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all, lists=None):
     """The plan in Triton: ``plan_estimate`` (one launch; the ``rows`` estimator) + ``plan_select`` (one launch)."""
     from hf_sparse_attn.ops.bfla_plan.triton_plan import plan_estimate, plan_select
 
@@ -196,7 +196,7 @@ def _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all):
             sq, skv, bs = q.shape[2], k.shape[2], config.block_size
             ent = row_entropy(mass, valid_rows(block_valid(sq, skv, bs, sliding_window, q.device), sq, skv, bs, fv))
     return plan_select(
-        mass, ent, batch=q.shape[0], kv_heads=k.shape[1], sq=q.shape[2], skv=k.shape[2],
+        mass, ent, batch=q.shape[0], kv_heads=lists or k.shape[1], sq=q.shape[2], skv=k.shape[2],
         sliding_window=sliding_window, config=config, first_valid=fv, device=q.device,
     )
 
@@ -210,8 +210,12 @@ def build_plan(
     sliding_window: int | None,
     config: PlanOptions,
     first_valid: torch.Tensor | None = None,
+    lists: int | None = None,
 ) -> BflaPlan:
     """Stage 1 + 2: estimate, select, union over GQA groups, rescues; compact per-row lists. No host sync.
+
+    ``lists``: the lists per batch row, the KV heads (None: ``k.shape[1]``, one list per GQA group) or the query
+    heads (one per query head: the estimate on the same K, no union).
 
     ``first_valid (B,)``: left padding (first non-padding key of every batch row; None = none). Tiles that hold no
     visible non-padding key are never kept for that row (:func:`valid_rows`); the sink counts from the row's
@@ -225,7 +229,7 @@ def build_plan(
     keep_all = min(as_tuple(config.keep_mass)) >= 1.0
     with torch.no_grad():
         if plan_on_triton(q, config):
-            counts, ids = _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all)
+            counts, ids = _triton_plan(q, k, scale, softcap, sliding_window, config, fv, keep_all, lists)
         else:
             mass = None
             if not keep_all:
@@ -233,7 +237,7 @@ def build_plan(
                     q, k, scale=scale, softcap=softcap, sliding_window=sliding_window, config=config, first_valid=fv
                 )
             counts, ids = select_plan(
-                mass, batch=q.shape[0], kv_heads=k.shape[1], sq=sq, skv=skv, sliding_window=sliding_window,
+                mass, batch=q.shape[0], kv_heads=lists or k.shape[1], sq=sq, skv=skv, sliding_window=sliding_window,
                 config=config, first_valid=fv, device=q.device,
             )
     return BflaPlan(counts, ids, valid, bs, skv - sq, fv)

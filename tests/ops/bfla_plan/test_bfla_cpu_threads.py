@@ -50,6 +50,19 @@ def test_plan_per_kv_group_equals_whole_plan(case, workers):
     assert (par.first_valid is None) == (fv is None)
 
 
+@pytest.mark.parametrize("case", [c for c in PLAN_CASES if c[1] > c[2]])
+def test_per_query_head_lists_from_the_kv_heads_equal_those_from_repeated_keys(case):
+    """``lists`` = the query heads: the plan on K as it is (pool items per query head, views of its KV head) equals
+    the plan on K repeated per query head."""
+    b, hq, hkv, sq, skv, window, fv, over = case
+    q, k, _ = _qkv(b, hq, hkv, sq, skv)
+    fv = None if fv is None else torch.tensor(fv)
+    kw = dict(scale=0.3, softcap=None, sliding_window=window, config=_cfg(**over), first_valid=fv)
+    ref = bfla.build_plan(q, k.repeat_interleave(hq // hkv, 1), **kw)
+    for plan in (bfla.build_plan(q, k, lists=hq, **kw), build_plan_parallel(q, k, workers=2, lists=hq, **kw)):
+        assert torch.equal(plan.counts, ref.counts) and torch.equal(plan.ids, ref.ids)
+
+
 @pytest.mark.parametrize("fv", [None, (0, 45)])
 def test_threaded_sparse_pass_equals_reference_and_serial(fv):
     """Batch 2 (one row left-padded) without autograd: every (row, KV head, query block) item on the pool."""
