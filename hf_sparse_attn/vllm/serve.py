@@ -4,8 +4,8 @@
 rows we do not serve as a sub-batch (``super().forward`` with the sub-batch's metadata); each of our rows gathers
 its keys and values from a cache in the :mod:`.paged` layout by its block table (chunked prefill: the chunk's
 queries against every key of the sequence so far) and runs the method (the CPU backend overrides this for bfla:
-the plan on the shadow's keys, the kept tiles on vLLM's kernel, :mod:`.cpu`). Layers the options do not select, inert engines and
-warm-up calls go to vLLM's impl unchanged.
+the plan on the shadow's keys, the kept tiles on vLLM's kernel, :mod:`.cpu`). Layers the options do not select,
+inert engines and warm-up calls go to vLLM's impl unchanged.
 """
 
 from __future__ import annotations
