@@ -221,10 +221,13 @@ class HsaCPUImpl(ServingMixin, CPUAttentionBackendImpl):
                      f"{kv_cache.shape[2]}; its kept tiles run bfla's own CPU attention, slower than vLLM's kernel")
             return super()._ours(layer, runner, query, kv_cache, block_table, split, output)
         store = self._store(runner, kv_cache)
+        kernel = CPUKernel(self.scale, self.logits_soft_cap, layer.isa, self.kv_cache_dtype, layer._k_scale_float,
+                           layer._v_scale_float)
         for row in split.ours:
-            self._bfla_row(layer, runner, query, kv_cache, store, block_table, row, output)
+            self._bfla_row(kernel, runner, query, kv_cache, store, block_table, row, output)
 
-    def _bfla_row(self, layer, runner: LayerRunner, query, kv_cache, store, block_table, row: Row, output) -> None:
+    def _bfla_row(self, kernel: CPUKernel, runner: LayerRunner, query, kv_cache, store, block_table, row: Row,
+                  output) -> None:
         """One prefill row of a bfla layer: the plan on the shadow's keys, then vLLM's kernel over the kept tiles
         (or over the whole row where the density rule chose the dense path)."""
         cb = kv_cache.shape[2]
@@ -236,8 +239,6 @@ class HsaCPUImpl(ServingMixin, CPUAttentionBackendImpl):
         start = time.perf_counter()
         out = output[row.q_start: row.q_end]
         batch = kept_tile_batch(decided.plan, row.query_len, blocks, cb) if decided.sparse else None
-        kernel = CPUKernel(self.scale, self.logits_soft_cap, layer.isa, self.kv_cache_dtype, layer._k_scale_float,
-                           layer._v_scale_float)
         on = "vllm"  # which kernel attended: vLLM's, or bfla's own CPU attention
         if batch is not None:
             kernel.kept_tiles(q_rows, kv_cache, batch, out)

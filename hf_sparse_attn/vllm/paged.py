@@ -83,13 +83,12 @@ def kept_tile_batch(plan, query_len: int, blocks: torch.Tensor, cache_block: int
         return None
     ends = ids.gather(-1, (counts - 1).unsqueeze(-1)).squeeze(-1)
     starts = ids.gather(-1, (counts - tail).unsqueeze(-1)).squeeze(-1)
-    if not (bool((ends == last_tile).all()) and bool((starts == first_tile).all())):
+    if not bool(((ends == last_tile) & (starts == first_tile)).all()):
         return None
     seq_lens = (counts - tail) * bs + (q_last - first_tile * bs + 1)
-    width = int(counts.max()) * per
     tiles = ids[..., : int(counts.max())]  # (H, NQ, C)
-    cache_idx = (tiles.unsqueeze(-1) * per + torch.arange(per)).flatten(-2)[..., :width]
-    cache_idx = cache_idx.clamp_(max=blocks.numel() - 1)  # the last tile's unused cache blocks: never read
+    cache_idx = (tiles.unsqueeze(-1) * per + torch.arange(per)).flatten(-2)  # (H, NQ, C·per)
+    cache_idx.clamp_(max=blocks.numel() - 1)  # the last tile's cache blocks past the sequence: never read
     qlens = q_last - q_first + 1
     qsl = torch.zeros(nq + 1, dtype=torch.int32)
     torch.cumsum(qlens, 0, out=qsl[1:])
