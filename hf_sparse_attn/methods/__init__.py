@@ -10,6 +10,7 @@ _BUILTIN = (
     ("dense", "METHOD"),
     ("entmax", "METHODS"),
     ("bfla", "METHOD"),
+    ("dash", "METHOD"),
 )
 
 _REGISTRY: dict[str, Method] = {}

@@ -1,0 +1,108 @@
+"""DashAttention's fast path: stage 1 on the block summaries (:mod:`.naive`'s definitions, ``O(Sq·Skv/bs)``), stage 2
+on the block-sparse machinery of :mod:`hf_sparse_attn.ops.block_sparse` with the prior as a per-(row, tile) bias.
+
+Stage 2 visits, per query block and KV head, the union of its rows' kept tiles (the always-on blocks and the
+supported ones); every row still sees only its own tiles (the others carry bias ``-inf``), so the result is the
+definition's exactly. CUDA: the Triton kernels through the ``hf_sparse_attn::bfla_fwd`` op (forward and backward,
+with the bias gradient); CPU: the worker-pool path of :mod:`hf_sparse_attn.ops.block_sparse.cpu_bias`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_sparse_attn.ops.block_sparse.op import bfla_sparse_attention
+from hf_sparse_attn.ops.block_sparse.tiles import BflaPlan, block_valid, compact
+from hf_sparse_attn.ops.dash.naive import (
+    block_prior,
+    block_summaries,
+    prior_bias,
+    selectable_blocks,
+    tile_bias,
+)
+
+
+@dataclass(frozen=True)
+class DashShape:
+    """The fixed choices of one dash layer (see :mod:`.naive`)."""
+
+    block_size: int = 64
+    alpha: float = 1.5
+    prior_strength: float = 1.0
+    center_prior: bool = True
+    sink_blocks: int = 0
+    local_blocks: int = 0
+
+
+def tile_lists(bias: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch row, KV head, query block) the tiles some row of the block keeps (finite bias), as compact lists
+    ``counts (B,Hkv,NQ)`` int32 and ``ids (B,Hkv,NQ,NK)`` int32 (kept ids ascending first)."""
+    b, h, sq, nk = bias.shape
+    nq = -(-sq // block_size)
+    keep = torch.isfinite(bias)
+    keep = torch.nn.functional.pad(keep, (0, 0, 0, nq * block_size - sq)).view(b, h, nq, block_size, nk).any(3)
+    return compact(keep)
+
+
+def stage1(
+    q: torch.Tensor, k: torch.Tensor, *, pool_query: torch.Tensor | None, log_temperature: torch.Tensor,
+    shape: DashShape, scale: float, first_valid: torch.Tensor | None = None,
+    summaries: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 -> ``(bias (B,Hkv,Sq,NK) fp32, π (B,Hkv,Sq,NB) fp32)``. ``summaries (B,Hkv,Skv//bs,D)``: the block
+    summaries when the caller keeps them (a decode cache), else computed from ``k``."""
+    sq, skv = q.shape[2], k.shape[2]
+    bs = shape.block_size
+    summ = block_summaries(k, pool_query, bs, first_valid) if summaries is None else summaries
+    sel = selectable_blocks(sq, skv, summ.shape[2], bs, shape.sink_blocks, shape.local_blocks, first_valid,
+                            q.device)
+    pi = block_prior(q, summ, log_temperature, scale=scale, alpha=shape.alpha, selectable=sel)
+    bias = tile_bias(prior_bias(pi, shape.prior_strength, shape.center_prior), sq, skv, bs, shape.sink_blocks,
+                     shape.local_blocks)
+    return bias.contiguous(), pi
+
+
+def _record(stats: dict[str, Any], bias: torch.Tensor, plan: BflaPlan, sq: int, skv: int, bs: int) -> None:
+    """Lazy (tensor) statistics of one call: kept tiles of the query-block lists over the causal tiles
+    (``tiles``/``causal_tiles``), and the tiles each row sees over those causally before it (``row_tiles`` /
+    ``row_causal``)."""
+    with torch.no_grad():
+        b, h = bias.shape[:2]
+        stats["tiles"] = plan.counts.sum()
+        stats["causal_tiles"] = plan.valid.sum() * b * h
+        stats["row_tiles"] = torch.isfinite(bias).sum()
+        stats["row_causal"] = (torch.arange(skv - sq, skv, device=bias.device) // bs + 1).sum() * b * h
+        stats["rows"] = b * h * sq
+
+
+def dash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pool_query: torch.Tensor | None,
+    log_temperature: torch.Tensor, shape: DashShape, scale: float, softcap: float | None = None,
+    first_valid: torch.Tensor | None = None, summaries: torch.Tensor | None = None,
+    stats: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """DashAttention (:func:`.naive.dash_attention_reference`'s result) through the block-sparse kernels.
+
+    ``q (B,Hq,Sq,D)``, ``k/v (B,Hkv,Skv,D)``, causal bottom-right, ``first_valid (B,)`` left padding or None;
+    ``summaries`` the complete blocks' summaries when kept by the caller; ``stats``: a dict that receives the call's
+    tile counts and (on CPU) stage 1's seconds. Differentiable w.r.t. q, k, v,
+    ``pool_query`` and ``log_temperature``. -> ``(B,Hq,Sq,D)``."""
+    sq, skv = q.shape[2], k.shape[2]
+    bs = shape.block_size
+    t0 = time.perf_counter()
+    bias, _ = stage1(q, k, pool_query=pool_query, log_temperature=log_temperature, shape=shape, scale=scale,
+                     first_valid=first_valid, summaries=summaries)
+    counts, ids = tile_lists(bias.detach(), bs)
+    plan = BflaPlan(counts, ids, block_valid(sq, skv, bs, None, q.device), bs, skv - sq, first_valid)
+    if stats is not None:
+        _record(stats, bias, plan, sq, skv, bs)
+        stats["stage1_seconds"] = time.perf_counter() - t0 if q.device.type == "cpu" else None
+    if q.device.type == "cpu":
+        from hf_sparse_attn.ops.block_sparse.cpu_bias import biased_sparse_attention_cpu
+
+        return biased_sparse_attention_cpu(q, k, v, plan, bias, scale=scale, softcap=softcap)
+    return bfla_sparse_attention(q, k, v, plan, scale=scale, softcap=softcap, bias=bias)
