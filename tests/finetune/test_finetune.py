@@ -28,6 +28,7 @@ from hf_sparse_attn.models import load
 REPO = Path(__file__).resolve().parents[2]
 # bfla on the tiny model: 16-token blocks, sparse path from the first token, a low keep_mass so tiles are dropped.
 BFLA_CFG = {"block_size": 16, "min_seq_len": 0, "keep_mass": 0.5, "dense_last_blocks": 0, "flat_entropy": 1.0}
+DASH_CFG = {"block_size": 16, "temperature": 1000.0, "sink_blocks": 0, "local_blocks": 0}
 
 
 def _require(method: str) -> None:
@@ -135,8 +136,8 @@ def _loss_and_grads(method: str, cfg: dict, checkpointing: bool):
 
 @pytest.mark.parametrize(
     "method,cfg",
-    [("dense", {}), ("entmax", {"learn_alpha": True}), ("bfla", BFLA_CFG)],
-    ids=["dense", "entmax", "bfla"],
+    [("dense", {}), ("entmax", {"learn_alpha": True}), ("bfla", BFLA_CFG), ("dash", DASH_CFG)],
+    ids=["dense", "entmax", "bfla", "dash"],
 )
 def test_gradient_checkpointing_same_gradients(method, cfg):
     _require(method)
@@ -151,6 +152,9 @@ def test_gradient_checkpointing_same_gradients(method, cfg):
         assert len(alpha_grads) == 2 and all(g.abs().sum() > 0 for g in alpha_grads)
     if method == "bfla":
         assert stats["density"] is not None and stats["density"] < 1.0  # the sparse path ran
+    if method == "dash":  # the pooling query and the temperature of both layers get a gradient
+        dash_grads = [g for n, g in grads_a.items() if "hf_sparse_attn_params" in n]
+        assert len(dash_grads) == 4 and all(g.abs().sum() > 0 for g in dash_grads)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,6 +224,20 @@ def test_reload_lora_entmax(tmp_path, fresh_accelerate):
     bare, _ = load("tiny-llama")
     patch_model(bare, method="entmax", learn_alpha=True, from_pretrained=out / "hf_sparse_attn")
     assert not torch.equal(_logits(bare.eval(), probe), ref)
+
+
+def test_reload_lora_dash_trains_its_parameters_beside_the_adapter(tmp_path, fresh_accelerate):
+    _require("dash")
+    pytest.importorskip("peft")
+    cfg = [f"{k}={v}" for k, v in DASH_CFG.items()]
+    result, out = _run(tmp_path, "--method", "dash", "--method-config", *cfg, "--lora", "--lora-r", "4",
+                       "--seq-len", "128", "--steps", "2", "--lr", "1e-2")
+    probe = torch.stack([c.input_ids for c in result.eval[:2]])
+    ref = _final_logits(result, probe)
+    model, _, handle = load_finetuned(out)
+    assert torch.equal(_logits(model, probe), ref)
+    learned = [s.params.pool_query for s in handle.layers.values()]
+    assert all(p.abs().sum() > 0 for p in learned)  # trained away from the zero (mean-pooling) init
 
 
 def test_save_every_writes_the_state_after_that_step(tmp_path, fresh_accelerate):

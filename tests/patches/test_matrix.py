@@ -166,9 +166,36 @@ def test_entmax_prefill_and_decode(model_type):
         assert gap < 1.0
 
 
-def _decode_gap(model) -> float:
-    """Prefill 11 tokens, decode the 12th; max |logits - the full 12-token prefill's last row|."""
-    ids, _ = _inputs()
+@pytest.mark.parametrize("model_type", MATRIX)
+def test_dash_prefill_decode_and_remove(model_type):
+    """dash runs on every type (refused where the model has learned sinks), its decode step equals the prefill's
+    last row, and ``remove()`` restores the exact outputs."""
+    model = _model(model_type)
+    patcher = get_patcher(_text_type(model_type))
+    if has_sinks(patcher, patcher.attention_modules(model)):
+        with pytest.raises(NotImplementedError, match="cannot honour the learned attention sinks"):
+            patch_model(model, method="dash")
+        return
+    ids, am = _inputs(length=BFLA_LENGTH)  # two complete blocks of 16 and a partial one
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=am).logits
+        with patch_model(model, method="dash", layers="all", block_size=16, sink_blocks=0, local_blocks=0) as handle:
+            assert torch.isfinite(model(input_ids=ids, attention_mask=am).logits).all()
+            gap = _decode_gap(model, BFLA_LENGTH)
+            assert handle.stats()["layers"]
+        with patch_model(model, method="dense"):
+            dense_gap = _decode_gap(model, BFLA_LENGTH)
+        after = model(input_ids=ids, attention_mask=am).logits
+    assert torch.equal(before, after)
+    if dense_gap <= TOL:
+        assert gap <= 1e-4
+    else:
+        assert model_type == "bamba" and gap < 1.0
+
+
+def _decode_gap(model, length: int = LENGTH) -> float:
+    """Prefill ``length - 1`` tokens, decode the last; max |logits - the full prefill's last row|."""
+    ids, _ = _inputs(length=length)
     with torch.no_grad():
         full = model(input_ids=ids[:1]).logits
         first = model(input_ids=ids[:1, :-1], use_cache=True)

@@ -26,16 +26,18 @@ from hf_sparse_attn.ops.triton_support import TRITON_HEAD_DIMS
 
 
 def _num_kv_heads(module: torch.nn.Module, hq: int) -> int:
-    cfg = module.config
-    return int(getattr(cfg, "num_key_value_heads", None) or hq)
+    """The layer's KV heads (``num_key_value_groups`` query heads share one; none: multi-head attention)."""
+    groups = getattr(module, "num_key_value_groups", None)
+    return hq // groups if isinstance(groups, int) and groups > 0 else hq
 
 
-def _head_dim(module: torch.nn.Module, hq: int) -> int:
-    hd = getattr(module, "head_dim", None)
-    if isinstance(hd, int):
-        return hd
-    cfg = module.config
-    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+def _head_dim(module: torch.nn.Module) -> int:
+    """The layer's query/key head dim (per layer: Gemma 4 mixes 256 and 512; MLA's ``qk_head_dim``)."""
+    for attr in ("qk_head_dim", "head_dim"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"dash: cannot find the head_dim of {type(module).__name__}")
 
 
 def _init_layer(module: torch.nn.Module, state: LayerState) -> None:
@@ -43,7 +45,7 @@ def _init_layer(module: torch.nn.Module, state: LayerState) -> None:
         return
     cfg: DashConfig = state.config
     hq = num_query_heads(module)
-    state.params = DashParams(hq, _num_kv_heads(module, hq), _head_dim(module, hq), temperature=cfg.temperature,
+    state.params = DashParams(hq, _num_kv_heads(module, hq), _head_dim(module), temperature=cfg.temperature,
                               pooling=cfg.pooling, learn=cfg.learn, device=module_device(module))
 
 

@@ -1,4 +1,5 @@
-"""DashAttention's fast path: stage 1 on the block summaries (:mod:`.naive`'s definitions, ``O(Sq·Skv/bs)``), stage 2
+"""DashAttention's fast path: stage 1 on the block summaries (:mod:`.naive`'s definitions, ``O(Sq·Skv/bs)``; on CPU
+the prior in row chunks on the worker pool, :mod:`.prior`), stage 2
 on the block-sparse machinery of :mod:`hf_sparse_attn.ops.block_sparse` with the prior as a per-(row, tile) bias.
 
 Stage 2 visits, per query block and KV head, the union of its rows' kept tiles (the always-on blocks and the
@@ -24,6 +25,7 @@ from hf_sparse_attn.ops.dash.naive import (
     selectable_blocks,
     tile_bias,
 )
+from hf_sparse_attn.ops.dash.prior import block_prior_chunked
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ def stage1(
     summ = block_summaries(k, pool_query, bs, first_valid) if summaries is None else summaries
     sel = selectable_blocks(sq, skv, summ.shape[2], bs, shape.sink_blocks, shape.local_blocks, first_valid,
                             q.device)
-    pi = block_prior(q, summ, log_temperature, scale=scale, alpha=shape.alpha, selectable=sel)
+    prior = block_prior_chunked if q.device.type == "cpu" else block_prior
+    pi = prior(q, summ, log_temperature, scale=scale, alpha=shape.alpha, selectable=sel)
     bias = tile_bias(prior_bias(pi, shape.prior_strength, shape.center_prior), sq, skv, bs, shape.sink_blocks,
                      shape.local_blocks)
     return bias.contiguous(), pi

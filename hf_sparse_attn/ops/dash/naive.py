@@ -43,7 +43,8 @@ def block_summaries(
     else:
         logits = torch.einsum("bhntd,hd->bhnt", kb, pool_query.to(ct)) * d**-0.5
     if first_valid is not None:
-        pos = torch.arange(first_block * block_size, nb * block_size, device=k.device).view(nb - first_block, -1)
+        pos = torch.arange(first_block * block_size, nb * block_size, device=k.device)
+        pos = pos.view(nb - first_block, block_size)
         pad = pos[None, None] < first_valid.to(k.device).view(-1, 1, 1, 1)
         logits = logits.masked_fill(pad, float("-inf"))
         w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an all-padding block: zeros
