@@ -207,6 +207,8 @@ def bench_ops(
         name, config = parse_method(m)
         if name in ("entmax", "sparsemax") and m in out and "not_run" not in out[m]:
             out[m].update(entmax_density(captures, 2.0 if name == "sparsemax" else config.get("alpha", 1.5)))
+        if name == "dash" and m in out:
+            out[m].update(dash_density(captures, config))
     return out
 
 
@@ -239,6 +241,32 @@ def entmax_density(captures: dict[int, tuple], alpha: float) -> dict[str, float]
         support, allowed = support + float(st["support"]), allowed + float(st["allowed"])
         nonzero, visible = nonzero + tiles["nonzero_tiles"], visible + tiles["visible_tiles"]
     return {"density": support / allowed, "tile_density": nonzero / visible}
+
+
+def dash_density(captures: dict[int, tuple], config: dict[str, Any]) -> dict[str, float]:
+    """Over the captured layers, dash at its initial parameters (``config``: dash options): ``density`` (tiles
+    stage 2 visits over the causal tiles), ``row_density`` (tiles each row attends over its causal tiles),
+    ``blocks_per_row`` and ``stage1_share`` (stage 1's share of the op's time, one no-grad call per layer)."""
+    import math
+
+    from hf_sparse_attn.methods.dash import DashConfig
+    from hf_sparse_attn.ops.dash.attention import dash_attention
+
+    cfg = DashConfig(**config)
+    sums = dict(tiles=0.0, causal_tiles=0.0, row_tiles=0.0, row_causal=0.0, rows=0.0, stage1=0.0, total=0.0)
+    for q, k, v, scale in captures.values():
+        st: dict[str, Any] = {}
+        pool = None if cfg.pooling == "mean" else q.new_zeros((k.shape[1], q.shape[-1]), dtype=torch.float32)
+        log_t = torch.full((q.shape[1],), math.log(cfg.temperature))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            dash_attention(q, k, v, pool_query=pool, log_temperature=log_t, shape=cfg.shape(), scale=scale, stats=st)
+            sums["total"] += time.perf_counter() - t0
+        sums["stage1"] += st["stage1_seconds"] or 0.0
+        for key in ("tiles", "causal_tiles", "row_tiles", "row_causal", "rows"):
+            sums[key] += float(st[key])
+    return {"density": sums["tiles"] / sums["causal_tiles"], "row_density": sums["row_tiles"] / sums["row_causal"],
+            "blocks_per_row": sums["row_tiles"] / sums["rows"], "stage1_share": sums["stage1"] / sums["total"]}
 
 
 def _time_ops(captures: dict[int, tuple], fns: dict, reps: int, backward: bool) -> dict:

@@ -25,7 +25,7 @@ from hf_sparse_attn.ops.dash.naive import (
     selectable_blocks,
     tile_bias,
 )
-from hf_sparse_attn.ops.dash.prior import block_prior_chunked
+from hf_sparse_attn.ops.dash.prior import stage1_cpu
 
 
 @dataclass(frozen=True)
@@ -40,46 +40,56 @@ class DashShape:
     local_blocks: int = 0
 
 
+def query_block_union(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``rows (B,H,Sq,NK)`` bool -> ``(B,H,NQ,NK)``: the tiles some row of each query block of ``block_size`` rows
+    keeps."""
+    b, h, sq, nk = rows.shape
+    nq = -(-sq // block_size)
+    return torch.nn.functional.pad(rows, (0, 0, 0, nq * block_size - sq)).view(b, h, nq, block_size, nk).any(3)
+
+
 def tile_lists(bias: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (batch row, KV head, query block) the tiles some row of the block keeps (finite bias), as compact lists
     ``counts (B,Hkv,NQ)`` int32 and ``ids (B,Hkv,NQ,NK)`` int32 (kept ids ascending first)."""
-    b, h, sq, nk = bias.shape
-    nq = -(-sq // block_size)
-    keep = torch.isfinite(bias)
-    keep = torch.nn.functional.pad(keep, (0, 0, 0, nq * block_size - sq)).view(b, h, nq, block_size, nk).any(3)
-    return compact(keep)
+    return compact(query_block_union(torch.isfinite(bias), block_size))
 
 
 def stage1(
     q: torch.Tensor, k: torch.Tensor, *, pool_query: torch.Tensor | None, log_temperature: torch.Tensor,
     shape: DashShape, scale: float, first_valid: torch.Tensor | None = None,
     summaries: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 -> ``(bias (B,Hkv,Sq,NK) fp32, π (B,Hkv,Sq,NB) fp32)``. ``summaries (B,Hkv,Skv//bs,D)``: the block
-    summaries when the caller keeps them (a decode cache), else computed from ``k``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1 -> ``(bias (B,Hkv,Sq,NK) fp32, keep (B,Hkv,NQ,NK) bool: the tiles some row of each query block
+    keeps, row_tiles: the count of finite bias entries)``. ``summaries (B,Hkv,Skv//bs,D)``: the block summaries
+    when the caller keeps them (a decode cache), else computed from ``k``. CPU: in row chunks on the worker pool
+    (:mod:`.prior`); elsewhere by :mod:`.naive`'s functions."""
     sq, skv = q.shape[2], k.shape[2]
     bs = shape.block_size
     summ = block_summaries(k, pool_query, bs, first_valid) if summaries is None else summaries
+    if q.device.type == "cpu":
+        return stage1_cpu(q, summ, log_temperature, skv=skv, scale=scale, alpha=shape.alpha,
+                          prior_strength=shape.prior_strength, center_prior=shape.center_prior,
+                          sink_blocks=shape.sink_blocks, local_blocks=shape.local_blocks, block_size=bs,
+                          first_valid=first_valid)
     sel = selectable_blocks(sq, skv, summ.shape[2], bs, shape.sink_blocks, shape.local_blocks, first_valid,
                             q.device)
-    prior = block_prior_chunked if q.device.type == "cpu" else block_prior
-    pi = prior(q, summ, log_temperature, scale=scale, alpha=shape.alpha, selectable=sel)
+    pi = block_prior(q, summ, log_temperature, scale=scale, alpha=shape.alpha, selectable=sel)
     bias = tile_bias(prior_bias(pi, shape.prior_strength, shape.center_prior), sq, skv, bs, shape.sink_blocks,
-                     shape.local_blocks)
-    return bias.contiguous(), pi
+                     shape.local_blocks).contiguous()
+    fin = torch.isfinite(bias.detach())
+    return bias, query_block_union(fin, bs), fin.sum()
 
 
-def _record(stats: dict[str, Any], bias: torch.Tensor, plan: BflaPlan, sq: int, skv: int, bs: int) -> None:
+def _record(stats: dict[str, Any], plan: BflaPlan, row_tiles: torch.Tensor, sq: int, skv: int, bs: int) -> None:
     """Lazy (tensor) statistics of one call: kept tiles of the query-block lists over the causal tiles
     (``tiles``/``causal_tiles``), and the tiles each row sees over those causally before it (``row_tiles`` /
     ``row_causal``)."""
-    with torch.no_grad():
-        b, h = bias.shape[:2]
-        stats["tiles"] = plan.counts.sum()
-        stats["causal_tiles"] = plan.valid.sum() * b * h
-        stats["row_tiles"] = torch.isfinite(bias).sum()
-        stats["row_causal"] = (torch.arange(skv - sq, skv, device=bias.device) // bs + 1).sum() * b * h
-        stats["rows"] = b * h * sq
+    b, h = plan.counts.shape[:2]
+    stats["tiles"] = plan.counts.sum()
+    stats["causal_tiles"] = plan.valid.sum() * b * h
+    stats["row_tiles"] = row_tiles
+    stats["row_causal"] = (torch.arange(skv - sq, skv) // bs + 1).sum() * b * h
+    stats["rows"] = b * h * sq
 
 
 def dash_attention(
@@ -97,12 +107,12 @@ def dash_attention(
     sq, skv = q.shape[2], k.shape[2]
     bs = shape.block_size
     t0 = time.perf_counter()
-    bias, _ = stage1(q, k, pool_query=pool_query, log_temperature=log_temperature, shape=shape, scale=scale,
-                     first_valid=first_valid, summaries=summaries)
-    counts, ids = tile_lists(bias.detach(), bs)
+    bias, keep, row_tiles = stage1(q, k, pool_query=pool_query, log_temperature=log_temperature, shape=shape,
+                                   scale=scale, first_valid=first_valid, summaries=summaries)
+    counts, ids = compact(keep)
     plan = BflaPlan(counts, ids, block_valid(sq, skv, bs, None, q.device), bs, skv - sq, first_valid)
     if stats is not None:
-        _record(stats, bias, plan, sq, skv, bs)
+        _record(stats, plan, row_tiles, sq, skv, bs)
         stats["stage1_seconds"] = time.perf_counter() - t0 if q.device.type == "cpu" else None
     if q.device.type == "cpu":
         from hf_sparse_attn.ops.block_sparse.cpu_bias import biased_sparse_attention_cpu

@@ -47,13 +47,12 @@ def test_zero_pool_query_is_mean_pooling_and_padding_is_left_out():
 
 def test_prior_is_sparse_and_support_varies_per_row():
     q, k, _, pool, log_t = _inputs(1, 4, 2, 256, 256, 16, seed=3)
-    bias, pi = stage1(q, k, pool_query=pool, log_temperature=log_t + 1.5, shape=DashShape(block_size=16), scale=0.25)
-    support = (pi > 0).sum(-1)
-    assert support.max() > support[..., 64:].min() > 0  # adaptive: rows keep different block counts
+    bias, _, _ = stage1(q, k, pool_query=pool, log_temperature=log_t + 1.5, shape=DashShape(block_size=16),
+                        scale=0.25)
     kept = torch.isfinite(bias).sum(-1).float()
+    assert kept.max() > kept[..., 64:].min() > 0  # adaptive: rows keep different block counts
     causal = (torch.arange(256) // 16 + 1).float()
     assert (kept <= causal).all() and (kept / causal)[..., 128:].mean() < 0.9
-    torch.testing.assert_close(pi.sum(-1)[..., 48:], torch.ones_like(pi.sum(-1)[..., 48:]))
     counts, _ = tile_lists(bias, 16)
     assert counts.sum() < (torch.arange(16) + 1).sum() * 2  # stage 2 skips whole tiles of some query blocks
 
@@ -152,20 +151,28 @@ def test_tile_lists_are_the_union_of_the_rows_of_each_query_block():
     assert ids[0, 0, 0, :2].tolist() == [0, 2] and ids[0, 0, 2, 0].item() == 1
 
 
-@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
-def test_chunked_prior_equals_the_reference_prior_and_its_gradients(monkeypatch, alpha):
+@pytest.mark.parametrize(("alpha", "center"), [(1.5, True), (2.0, True), (1.3, False), (1.5, False)])
+def test_chunked_stage1_equals_the_reference_bias_and_its_gradients(monkeypatch, alpha, center):
     from hf_sparse_attn.ops.dash import prior
-    from hf_sparse_attn.ops.dash.naive import block_prior, selectable_blocks
+    from hf_sparse_attn.ops.dash.naive import block_prior, prior_bias, selectable_blocks, tile_bias
 
     monkeypatch.setattr(prior, "ROWS", 16)  # several chunks per (batch row, KV head)
+    fv = torch.tensor([0, 13])
     q, k, _, pool, log_t = _inputs(2, 6, 2, 70, 90, 16, torch.float64, seed=11)
-    summ = block_summaries(k, pool, 8, torch.tensor([0, 13]))
-    sel = selectable_blocks(70, 90, summ.shape[2], 8, 1, 1, torch.tensor([0, 13]), q.device)
+    summ = block_summaries(k, pool, 8, fv)
     a = [t.clone().requires_grad_() for t in (q, summ, log_t)]
     r = [t.clone().requires_grad_() for t in (q, summ, log_t)]
-    got = prior.block_prior_chunked(*a, scale=0.4, alpha=alpha, selectable=sel)
-    want = block_prior(*r, scale=0.4, alpha=alpha, selectable=sel)
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
-    g = torch.randn_like(want)
-    for x, y in zip(torch.autograd.grad((got * g).sum(), a), torch.autograd.grad((want * g).sum(), r), strict=True):
+    got, keep, row_tiles = prior.stage1_cpu(*a, skv=90, scale=0.4, alpha=alpha, prior_strength=0.7,
+                                            center_prior=center, sink_blocks=1, local_blocks=1, block_size=8,
+                                            first_valid=fv)
+    sel = selectable_blocks(70, 90, summ.shape[2], 8, 1, 1, fv, q.device)
+    pi = block_prior(*r, scale=0.4, alpha=alpha, selectable=sel)
+    want = tile_bias(prior_bias(pi, 0.7, center), 70, 90, 8, 1, 1)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)) and int(row_tiles) == int(torch.isfinite(want).sum())
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=1e-10, rtol=1e-10)
+    assert torch.equal(keep, torch.nn.functional.pad(fin, (0, 0, 0, 2)).view(2, 2, 9, 8, -1).any(3))
+    g = torch.randn_like(want).masked_fill(~fin, 0.0)
+    gw = torch.autograd.grad((want.masked_fill(~fin, 0.0) * g).sum(), r)
+    for x, y in zip(torch.autograd.grad((got.masked_fill(~fin, 0.0) * g).sum(), a), gw, strict=True):
         torch.testing.assert_close(x, y, atol=1e-9, rtol=1e-9)
