@@ -36,6 +36,7 @@ OUT=${OUT:-runs/retrieval_recipe}
 LAUNCH=${LAUNCH:-"accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"}
 EXTRA=${EXTRA:-}
 ALPHA=${ALPHA:-1.25}
+DASH_CONFIG=${DASH_CONFIG:-"block_size=64 temperature=1.0"}  # dash's options (its pooling query and temperatures learn)
 
 COMMON=(
   --model "$MODEL" --seq-len "$SEQ_LEN" --steps "$STEPS"
@@ -51,8 +52,9 @@ method_flags() {
     entmax)   echo "--method entmax --method-config alpha=$ALPHA --learn-alpha --alpha-anneal-steps $ANNEAL" ;;
     asentmax) echo "--method asentmax --method-config alpha=$ALPHA --alpha-anneal-steps $ANNEAL" ;;
     ssmax)    echo "--method ssmax" ;;
+    dash)     echo "--method dash --method-config $DASH_CONFIG" ;;
     dense)    echo "--method dense" ;;
-    *) echo "unknown method '$1' (entmax, asentmax, ssmax, dense)" >&2; return 1 ;;
+    *) echo "unknown method '$1' (entmax, asentmax, ssmax, dash, dense)" >&2; return 1 ;;
   esac
 }
 
