@@ -7,12 +7,13 @@ the query heads of a KV group; ``-inf`` hides the tile from the row; rows that s
 gradient is ``dbias[b,h,i,J] = Σ_{heads of the group} Σ_{j∈J} dS_ij`` with ``dS = P ⊙ (dP - δ)`` (w.r.t. the
 post-softcap logit).
 
-Work items run on the worker pool of :mod:`hf_sparse_attn.core.threads` (every torch op single-threaded). A query
-block of a KV group is one matrix of ``rep * rows`` query rows (the group's heads stacked,
-:meth:`_Geometry.grouped`), and its kept tiles' K/V are gathered once for all of them. Its scores go into a
-per-thread scratch ``(rep*rows, L)``: first the additive mask (the bias repeated over each tile's keys, ``-inf`` on
-the keys a causal / window / left-padding / sequence-end edge hides, :meth:`_Geometry.fill_mask`), then the GEMM
-adds ``q kᵀ`` to it (beta = 1); a softcap takes one more GEMM into its own buffer (rare).
+Work items run on the worker pool of :mod:`hf_sparse_attn.core.threads` (every torch op single-threaded, the
+setup too; each worker pulls the next item from a common queue). A query block of a KV group is one matrix of
+``rep * rows`` query rows (the group's heads stacked, copied into a per-thread scratch), and its kept tiles' K/V are
+gathered once for all of them. Its scores go into a per-thread scratch ``(rep*rows, L)``: first the additive mask
+(the bias repeated over each tile's keys, ``-inf`` on the keys a causal / window / left-padding / sequence-end edge
+hides, :meth:`_Geometry.fill_mask`), then the GEMM adds ``q kᵀ`` to it (beta = 1); a softcap takes one more GEMM
+into its own buffer (rare).
 
 Forward: one item per (batch row, KV head, query block): ``exp(S - rowmax)`` in place (the shift skipped when every
 row's max lies in ``[-NO_SHIFT, NO_SHIFT]``, where ``exp(S)`` stays a normal fp32 number), ``o = P V / rowsum``, and
@@ -29,11 +30,12 @@ and the buffers are summed in chunk order afterwards: exact, the same bits whate
 from __future__ import annotations
 
 import threading
+from math import inf
 
 import torch
 import torch.nn.functional as F
 
-from hf_sparse_attn.core.threads import parallel_map
+from hf_sparse_attn.core.threads import parallel_map, single_threaded_ops
 from hf_sparse_attn.ops.block_sparse.tiles import BflaPlan, _cdiv
 
 BWD_ITEMS = 16  # about this many backward work items per call: (batch row, KV head) pairs cut into query-block chunks
@@ -94,32 +96,25 @@ class _Geometry:
             keep &= d > -self.window
         return keep
 
-    def fill_mask(self, m: torch.Tensor, tile_bias: torch.Tensor, f: int) -> None:
-        """``m (..., rows, n, bs)`` <- ``tile_bias (..., rows, n)`` repeated over the keys of each tile, ``-inf`` on
-        the keys an edge hides."""
-        m.copy_(tile_bias.unsqueeze(-1))  # broadcast over the tile's keys (and the heads)
+    def fill_mask(self, scratch: _Scratch, m: torch.Tensor, tile_bias: torch.Tensor, f: int) -> None:
+        """``m (rep, rows, n, bs)`` (scratch ``"s"``) <- ``tile_bias (rep|1, rows, n, 1)`` repeated over the keys of
+        each tile, ``-inf`` on the keys an edge hides."""
+        m.copy_(tile_bias)  # broadcast over the tile's keys (and the heads)
         for s, hide in self.edges.get(f, ()):
-            m[..., s, :].masked_fill_(hide, float("-inf"))
+            key = ("s", *m.shape, s)
+            view = scratch.views.get(key)
+            if view is None:
+                view = scratch.views[key] = m[..., s, :]
+            view.masked_fill_(hide, float("-inf"))
 
-    def grouped(self, x: torch.Tensor, dtype: torch.dtype, mul: float | None = None) -> torch.Tensor:
-        """``(B,Hq,Sq[,D])`` -> ``(B*Hkv*NQ, rep, bs[,D])`` contiguous in ``dtype`` (times ``mul``): every query block
-        of a KV group's heads as one matrix of ``rep * bs`` rows (rows past ``Sq`` zero), by flat block."""
-        x = x.to(dtype) if mul is None else x.to(dtype) * mul
-        pad = self.nq * self.bs - self.sq
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
-        x = x.unflatten(1, (self.hkv, self.rep)).unflatten(3, (self.nq, self.bs)).transpose(2, 3)
-        return x.reshape(-1, *x.shape[3:]).contiguous()
-
-    def ungrouped(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The inverse of :meth:`grouped` -> ``(B,Hq,Sq[,D])`` contiguous in ``dtype``."""
-        x = x.view(self.b, self.hkv, self.nq, *x.shape[1:]).transpose(2, 3)
-        x = x.reshape(self.b, self.hkv * self.rep, self.nq * self.bs, *x.shape[5:])[:, :, : self.sq]
-        return x.to(dtype).contiguous()
-
-    def by_block(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``(B,Hkv,Sq,NK)`` -> its ``(rows, NK)`` query blocks by flat block (views)."""
-        return [blk for bh in x.flatten(0, 1).unbind(0) for blk in bh.split(self.bs, 0)]
+    def by_block(self, x: torch.Tensor, heads: bool = False) -> list[torch.Tensor]:
+        """Views of the query blocks of ``x`` by flat block: ``(B,Hkv,Sq,...)`` -> ``(rows, ...)``; with ``heads``,
+        ``(B,Hq,Sq,...)`` -> ``(rep, rows, ...)`` (the block's rows of the KV group's query heads)."""
+        out = []
+        for row in x.unbind(0):
+            for bh in row.unflatten(0, (self.hkv, self.rep)).unbind(0) if heads else row.unbind(0):
+                out += bh.split(self.bs, 1 if heads else 0)
+        return out
 
 
 class _Scratch(threading.local):
@@ -144,15 +139,35 @@ class _Scratch(threading.local):
         return view
 
 
+def _run_items(fn, items: list, threads: int) -> None:
+    """``fn(item)`` for every item on ``threads`` workers of the shared pool, each pulling the next
+    item from a common queue (in list order: pass the costliest first). One pool task per worker rather than per item:
+    no hand-off through the pool per item, which costs much on a busy machine. Items must be independent (they are:
+    each writes its own rows / buffers), so the results do not depend on which worker ran what."""
+    workers = min(threads, len(items))
+    pending, lock = iter(items), threading.Lock()
+
+    def worker(_) -> None:
+        while True:
+            with lock:
+                item = next(pending, None)
+            if item is None:
+                return
+            fn(item)
+
+    parallel_map(worker, range(workers), workers)
+
+
 def _scratch(g: _Geometry, d: int, ct: torch.dtype, softcap, backward: bool) -> _Scratch:
     """The scratch of one call, sized for its longest list of kept tiles."""
     keys = max(g.counts, default=0) * g.bs
     scores = g.rep * g.bs * keys
-    sizes = {"k": keys * d, "v": keys * d, "s": scores}
+    rows = g.rep * g.bs * d
+    sizes = {"k": keys * d, "v": keys * d, "s": scores, "q": rows, "o": rows, "tb": keys, "tbl": g.rep * keys}
     if softcap:
         sizes["th"] = scores
     if backward:
-        sizes["ds"] = scores
+        sizes.update(ds=scores, do=rows, dq=rows, kv=keys * d)
     return _Scratch(ct, sizes)
 
 
@@ -171,89 +186,88 @@ def _gather(scratch: _Scratch, name: str, blocks: torch.Tensor, idx: torch.Tenso
         torch.index_select(blocks, 0, idx, out=out)
     else:
         out.copy_(blocks.index_select(0, idx))
-    return out.view(n * bs, d)
+    return scratch.get(name, n * bs, d)
+
+
+def _transposed(scratch: _Scratch, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x.T`` of a scratch matrix (memoised view)."""
+    key = (name, "T", *x.shape)
+    view = scratch.views.get(key)
+    if view is None:
+        view = scratch.views[key] = x.T
+    return view
+
+
+def _tile_bias(scratch: _Scratch, bias_rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``bias_rows (rows, NK)`` at the kept tiles ``idx`` -> ``(rows, n)`` scratch."""
+    return torch.index_select(bias_rows, 1, idx, out=scratch.get("tb", bias_rows.shape[0], idx.numel()))
 
 
 def _scores(scratch: _Scratch, g: _Geometry, qs, kk, tile_bias, f: int, softcap):
     """``(rep*rows, L)`` scratch: ``softcap(qs kkᵀ) + tile_bias`` repeated over each tile's keys, ``-inf`` on the keys
-    an edge hides (``qs`` the block's rows of the group's heads, already scaled; ``tile_bias (rep|1, rows, n)``).
+    an edge hides (``qs`` the block's rows of the group's heads, already scaled; ``tile_bias (rep|1, rows, n, 1)``).
     Returns ``(scores, tanh(qs kkᵀ / softcap) or None)``."""
-    rows, n = tile_bias.shape[-2], tile_bias.shape[-1]
-    s = scratch.get("s", g.rep, rows, n, g.bs)
-    g.fill_mask(s, tile_bias, f)
-    s = s.view(g.rep * rows, n * g.bs)
+    rows, n = tile_bias.shape[-3], tile_bias.shape[-2]
+    g.fill_mask(scratch, scratch.get("s", g.rep, rows, n, g.bs), tile_bias, f)
+    s = scratch.get("s", g.rep * rows, n * g.bs)
     if not softcap:
-        return s.addmm_(qs, kk.T), None
+        return s.addmm_(qs, _transposed(scratch, "k", kk)), None
     th = scratch.get("th", g.rep * rows, n * g.bs)
-    torch.mm(qs, kk.T, out=th).div_(softcap).tanh_()
+    torch.mm(qs, _transposed(scratch, "k", kk), out=th).div_(softcap).tanh_()
     return s.add_(th, alpha=softcap), th
 
 
-def _rows_of(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """A block ``(rep, bs[, D])`` of a grouped tensor as ``(rep * rows, D|1)`` (a view when ``rows == bs``)."""
-    if x.dim() == 2:
-        x = x[..., None]
-    return x.view(-1, x.shape[-1]) if rows == x.shape[1] else x[:, :rows].reshape(-1, x.shape[-1])
+def _load_rows(scratch: _Scratch, name: str, x: torch.Tensor, mul: float | None = None) -> torch.Tensor:
+    """A block ``x (rep, rows, D)`` (a strided view) as a ``(rep * rows, D)`` scratch matrix, times ``mul``."""
+    out = scratch.get(name, *x.shape)
+    if mul is not None and x.dtype == out.dtype:
+        torch.mul(x, mul, out=out)
+    else:
+        out.copy_(x)
+        if mul is not None:
+            out.mul_(mul)
+    return scratch.get(name, x.shape[0] * x.shape[1], x.shape[2])
 
 
-def _block_out(dst: torch.Tensor, rows: int) -> torch.Tensor:
-    """Where to write the rows of a block ``dst (rep, bs[, D])`` of a grouped tensor, as ``(rep * rows, D|1)``: the
-    block itself when ``rows == bs``, else a temporary that :func:`_store` copies in."""
-    if dst.dim() == 2:
-        dst = dst[..., None]
-    if rows == dst.shape[1]:
-        return dst.view(-1, dst.shape[-1])
-    return torch.empty(dst.shape[0] * rows, dst.shape[-1], dtype=dst.dtype)
-
-
-def _store(dst: torch.Tensor, rows: int, out: torch.Tensor) -> None:
-    """Copy ``out`` (from :func:`_block_out`) into the block ``dst`` when it is a temporary."""
-    if rows != dst.shape[1]:
-        dst[:, :rows] = out.view(dst.shape[0], rows, *dst.shape[2:])
-
-
-def _forward(q, k, v, bias, g: _Geometry, scale: float, softcap, with_lse: bool):
-    """The forward on the worker pool -> ``(o (B,Hq,Sq,D) in q's dtype, lse (B,Hq,Sq) fp32/fp64 or None)``; rows
-    that see no key: o 0, lse 0."""
-    d = q.shape[-1]
+def _forward(q, k, v, bias, g: _Geometry, scale: float, softcap, with_lse: bool, threads: int):
+    """The forward on ``threads`` workers -> ``(o (B,Hq,Sq,D) in q's dtype, lse (B,Hq,Sq) fp32/fp64 or None)``;
+    rows that see no key: o 0, lse 0."""
+    b, hq, sq, d = q.shape
     ct = torch.promote_types(q.dtype, torch.float32)
-    kbl, vbl = _key_blocks(k, g), _key_blocks(v, g)
-    biasl = g.by_block(bias.to(ct))
-    qg = g.grouped(q, ct, scale)
-    og = torch.empty(qg.shape, dtype=ct)
-    lg = torch.empty(qg.shape[:-1], dtype=ct) if with_lse else None
-    qgl, ogl, lgl = qg.unbind(0), og.unbind(0), None if lg is None else lg.unbind(0)
+    kbl, vbl, biasl = _key_blocks(k, g), _key_blocks(v, g), g.by_block(bias.to(ct))
+    out = torch.empty(b, hq, sq, d, dtype=q.dtype)
+    lse = torch.empty(b, hq, sq, dtype=ct) if with_lse else None
+    ql, outl, lsel = g.by_block(q, True), g.by_block(out, True), None if lse is None else g.by_block(lse, True)
     scratch = _scratch(g, d, ct, softcap, backward=False)
-    items = sorted(range(len(g.counts)), key=lambda f: -g.counts[f])  # costliest first: handed out one at a time
+    items = sorted(range(len(g.counts)), key=lambda f: -g.counts[f])  # costliest first
     tiny = torch.finfo(ct).tiny
 
     def run(f: int) -> None:
         if g.counts[f] == 0:  # no kept tile: no key
-            ogl[f].zero_()
-            if lgl is not None:
-                lgl[f].zero_()
+            outl[f].zero_()
+            if lsel is not None:
+                lsel[f].zero_()
             return
-        bh, rows, idx = f // g.nq, biasl[f].shape[0], g.idx[f]
-        kk, vv = _gather(scratch, "k", kbl[bh], idx), _gather(scratch, "v", vbl[bh], idx)
-        s, _ = _scores(scratch, g, _rows_of(qgl[f], rows), kk, biasl[f].index_select(1, idx), f, softcap)
+        idx, rows = g.idx[f], ql[f].shape[1]
+        kk, vv = _gather(scratch, "k", kbl[f // g.nq], idx), _gather(scratch, "v", vbl[f // g.nq], idx)
+        qs = _load_rows(scratch, "q", ql[f], scale)
+        _tile_bias(scratch, biasl[f], idx)
+        s, _ = _scores(scratch, g, qs, kk, scratch.get("tb", rows, idx.numel(), 1), f, softcap)
         mx = s.amax(-1, keepdim=True)
-        lo, hi = torch.aminmax(mx)
-        shift = not (-NO_SHIFT <= float(lo) and float(hi) <= NO_SHIFT)  # else exp(S) stays a normal number
+        shift = not float(torch.linalg.vector_norm(mx, inf)) <= NO_SHIFT  # else exp(S) stays a normal number
         if shift:  # rows that see no key: max -inf -> finfo.min, S - max = -inf, p = 0, o = 0, lse = 0
             s.sub_(mx.clamp_min_(torch.finfo(ct).min))
         z = s.exp_().sum(-1, keepdim=True)
-        o = _block_out(ogl[f], rows)
-        torch.mm(s, vv, out=o).div_(z.clamp_min(tiny) if shift else z)
-        _store(ogl[f], rows, o)
-        if lgl is not None:
-            lse = _block_out(lgl[f], rows)
-            torch.log(z, out=lse)
+        torch.mm(s, vv, out=scratch.get("o", *qs.shape)).div_(z.clamp_min(tiny) if shift else z)
+        outl[f].copy_(scratch.get("o", *outl[f].shape))
+        if lsel is not None:
+            z = z.log_()
             if shift:
-                lse.add_(mx).masked_fill_(lse == float("-inf"), 0.0)
-            _store(lgl[f], rows, lse)
+                z.add_(mx).masked_fill_(z == float("-inf"), 0.0)
+            lsel[f].copy_(z.view(lsel[f].shape))
 
-    parallel_map(run, items, torch.get_num_threads())
-    return g.ungrouped(og, q.dtype), None if lg is None else g.ungrouped(lg, ct)
+    _run_items(run, items, threads)
+    return out, lse
 
 
 def _chunks(g: _Geometry, bh: int, parts: int) -> list[list[int]]:
@@ -275,36 +289,36 @@ def _chunks(g: _Geometry, bh: int, parts: int) -> list[list[int]]:
     return out
 
 
-def _backward(do, q, k, v, bias, lse, g: _Geometry, scale: float, softcap, need_bias: bool):
-    """Gradients -> (dq, dk, dv, dbias or None), on the worker pool (see the module docstring)."""
+def _backward(do, q, k, v, bias, lse, g: _Geometry, scale: float, softcap, need: tuple[bool, ...], threads: int):
+    """Gradients -> (dq, dk, dv, dbias), each None unless ``need`` (q, k, v, bias) asks for it, on ``threads``
+    workers (see the module docstring)."""
     d = q.shape[-1]
     bs, nk = g.bs, g.nk
     ct = lse.dtype
-    kbl, vbl = _key_blocks(k, g), _key_blocks(v, g)
-    biasl = g.by_block(bias.to(ct))
-    qg, dog, lg = g.grouped(q, ct, scale), g.grouped(do, ct), g.grouped(lse, ct)
-    qgl, dogl, lgl = qg.unbind(0), dog.unbind(0), lg.unbind(0)
-    dqg = torch.empty(qg.shape, dtype=ct)
-    dqgl = dqg.unbind(0)
-    dk = torch.zeros(g.b * g.hkv, nk, bs, d, dtype=ct)
-    dv = torch.zeros(g.b * g.hkv, nk, bs, d, dtype=ct)
-    dbias = torch.zeros(bias.shape, dtype=ct) if need_bias else None
+    kbl, vbl, biasl = _key_blocks(k, g), _key_blocks(v, g), g.by_block(bias.to(ct))
+    ql, dol, lsel = g.by_block(q, True), g.by_block(do, True), g.by_block(lse, True)
+    dq = torch.empty(q.shape, dtype=q.dtype) if need[0] else None
+    dql = None if dq is None else g.by_block(dq, True)
+    dk = torch.zeros(g.b * g.hkv, nk, bs, d, dtype=ct) if need[1] else None
+    dv = torch.zeros(g.b * g.hkv, nk, bs, d, dtype=ct) if need[2] else None
+    dbias = torch.zeros(bias.shape, dtype=ct) if need[3] else None
     dbiasl = None if dbias is None else g.by_block(dbias)
     scratch = _scratch(g, d, ct, softcap, backward=True)
+    if dql is not None:
+        for f, n in enumerate(g.counts):
+            if n == 0:  # no kept tile: no gradient
+                dql[f].zero_()
     parts = max(1, min(g.nq, _cdiv(BWD_ITEMS, g.b * g.hkv)))
     items, extra = [], []  # extra: (bh, dk buffer, dv buffer) of every chunk after the first, in chunk order
-    for f, n in enumerate(g.counts):
-        if n == 0:  # no kept tile: no gradient
-            dqgl[f].zero_()
     for bh in range(g.b * g.hkv):
         for c, blocks in enumerate(_chunks(g, bh, parts)):
             if c == 0:
-                dkc, dvc = dk[bh], dv[bh]
+                acc = tuple(None if x is None else x[bh] for x in (dk, dv))
             else:
                 top = max(g.top[f] for f in blocks)
-                dkc, dvc = torch.zeros(top, bs, d, dtype=ct), torch.zeros(top, bs, d, dtype=ct)
-                extra.append((bh, dkc, dvc))
-            items.append((sum(g.counts[f] for f in blocks), bh, blocks, dkc, dvc))
+                acc = tuple(None if x is None else torch.zeros(top, bs, d, dtype=ct) for x in (dk, dv))
+                extra.append((bh, *acc))
+            items.append((sum(g.counts[f] for f in blocks), bh, blocks, *acc))
     items.sort(key=lambda it: -it[0])
 
     def run(item) -> None:
@@ -312,35 +326,42 @@ def _backward(do, q, k, v, bias, lse, g: _Geometry, scale: float, softcap, need_
         for f in blocks:
             n, rows, idx = g.counts[f], biasl[f].shape[0], g.idx[f]
             kk, vv = _gather(scratch, "k", kbl[bh], idx), _gather(scratch, "v", vbl[bh], idx)
-            qs, dob = _rows_of(qgl[f], rows), _rows_of(dogl[f], rows)
-            tile_bias = biasl[f].index_select(1, idx) - lgl[f][:, :rows, None]  # (rep, rows, n)
-            p, th = _scores(scratch, g, qs, kk, tile_bias, f, softcap)
+            qs, dob = _load_rows(scratch, "q", ql[f], scale), _load_rows(scratch, "do", dol[f])
+            torch.sub(_tile_bias(scratch, biasl[f], idx), lsel[f][..., None],
+                      out=scratch.get("tbl", g.rep, rows, n))  # bias - lse, (rep, rows, n)
+            p, th = _scores(scratch, g, qs, kk, scratch.get("tbl", g.rep, rows, n, 1), f, softcap)
             p.exp_()  # P = exp(S + mask - lse)
-            ds = torch.mm(dob, vv.T, out=scratch.get("ds", *p.shape)).mul_(p)  # P ⊙ dP
+            if dvc is not None:
+                torch.mm(_transposed(scratch, "s", p), dob, out=scratch.get("kv", n * bs, d))
+                dvc.index_add_(0, idx, scratch.get("kv", n, bs, d))
+            ds = torch.mm(dob, _transposed(scratch, "v", vv), out=scratch.get("ds", *p.shape)).mul_(p)  # P ⊙ dP
             ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1.0)  # dS = P ⊙ (dP - δ), δ = rowsum(P ⊙ dP)
             if dbiasl is not None:
                 dbiasl[f].index_copy_(1, idx, ds.view(g.rep, rows, n, bs).sum(-1).sum(0))
             if softcap:  # through the softcap: d tanh = 1 - tanh²
                 ds.mul_(th.mul_(th).neg_().add_(1.0))
-            dqb = _block_out(dqgl[f], rows)
-            torch.mm(ds, kk, out=dqb).mul_(scale)
-            _store(dqgl[f], rows, dqb)
-            dkc.index_add_(0, idx, torch.mm(ds.T, qs).view(n, bs, d))
-            dvc.index_add_(0, idx, torch.mm(p.T, dob).view(n, bs, d))
+            if dql is not None:
+                torch.mm(ds, kk, out=scratch.get("dq", *qs.shape)).mul_(scale)
+                dql[f].copy_(scratch.get("dq", *dql[f].shape))
+            if dkc is not None:
+                torch.mm(_transposed(scratch, "ds", ds), qs, out=scratch.get("kv", n * bs, d))
+                dkc.index_add_(0, idx, scratch.get("kv", n, bs, d))
 
-    parallel_map(run, items, torch.get_num_threads())
+    _run_items(run, items, threads)
     for bh, dkc, dvc in extra:  # in chunk order: the same sums whatever the thread count
-        dk[bh, : dkc.shape[0]] += dkc
-        dv[bh, : dvc.shape[0]] += dvc
-    dk = dk.view(g.b, g.hkv, nk * bs, d)[:, :, : g.skv].to(k.dtype)
-    dv = dv.view(g.b, g.hkv, nk * bs, d)[:, :, : g.skv].to(v.dtype)
-    return g.ungrouped(dqg, q.dtype), dk, dv, dbias
+        for total, part in ((dk, dkc), (dv, dvc)):
+            if total is not None:
+                total[bh, : part.shape[0]] += part
+    dk, dv = (None if x is None else x.view(g.b, g.hkv, nk * bs, d)[:, :, : g.skv].to(y.dtype)
+              for x, y in ((dk, k), (dv, v)))
+    return dq, dk, dv, dbias
 
 
 class _BiasedSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, g, scale, softcap):
-        o, lse = _forward(q, k, v, bias, g, scale, softcap, with_lse=True)
+        with single_threaded_ops() as threads:  # the small setup ops too: no intra-op parallel region per op
+            o, lse = _forward(q, k, v, bias, g, scale, softcap, True, threads)
         ctx.save_for_backward(q, k, v, bias, lse)
         ctx.args = (g, scale, softcap)
         return o
@@ -349,7 +370,9 @@ class _BiasedSparseAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, bias, lse = ctx.saved_tensors
         g, scale, softcap = ctx.args
-        dq, dk, dv, dbias = _backward(do, q, k, v, bias, lse, g, scale, softcap, ctx.needs_input_grad[3])
+        with single_threaded_ops() as threads:
+            dq, dk, dv, dbias = _backward(do, q, k, v, bias, lse, g, scale, softcap, ctx.needs_input_grad[:4],
+                                          threads)
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
         return dq, dk, dv, dbias, None, None, None
@@ -376,11 +399,12 @@ def biased_sparse_attention_cpu(
     count of :mod:`hf_sparse_attn.core.threads`."""
     b, hq, sq = q.shape[:3]
     hkv, skv = k.shape[1], k.shape[2]
-    g = _Geometry(plan, b, hkv, sq, skv, hq // hkv, sliding_window)
     scale, softcap = float(scale), (float(softcap) if softcap else None)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias)):
-        return _BiasedSparseAttention.apply(q, k, v, bias, g, scale, softcap)
-    return _forward(q, k, v, bias, g, scale, softcap, with_lse=False)[0]
+    with single_threaded_ops() as threads:
+        g = _Geometry(plan, b, hkv, sq, skv, hq // hkv, sliding_window)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias))):
+            return _forward(q, k, v, bias, g, scale, softcap, False, threads)[0]
+    return _BiasedSparseAttention.apply(q, k, v, bias, g, scale, softcap)
 
 
 __all__ = ["biased_sparse_attention_cpu"]

@@ -142,3 +142,28 @@ def test_gradcheck_fp64(softcap, window):
 
     args = [t.detach().clone().requires_grad_(True) for t in (q, k, v, bias.masked_fill(hidden, 0.0))]
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_only_the_requested_gradients():
+    case = CASES[2]
+    q, k, v, plan, bias = _inputs(case)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    full = _run(case, q, k, v, plan, bias, do)
+    for which in range(4):
+        args = [t.detach().clone().requires_grad_(i == which) for i, t in enumerate((q, k, v, bias))]
+        o = biased_sparse_attention_cpu(*args[:3], plan, args[3], scale=case[5] ** -0.5)
+        o.backward(do)
+        assert torch.equal(o.detach(), full[0])
+        for i, a in enumerate(args):
+            assert (a.grad is None) == (i != which)
+        assert torch.equal(args[which].grad, full[1 + which])
+
+
+def test_bfloat16_inputs_compute_in_fp32():
+    case = CASES[0]
+    q, k, v, plan, bias = _inputs(case)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    o = biased_sparse_attention_cpu(qb, kb, vb, plan, bias, scale=case[5] ** -0.5)
+    assert o.dtype == torch.bfloat16
+    ref = _reference(qb.float(), kb.float(), vb.float(), plan, bias, case[5] ** -0.5, None, None)
+    torch.testing.assert_close(o.float(), ref, atol=1e-2, rtol=1e-2)
