@@ -163,10 +163,42 @@ def _entmax_forward(z: torch.Tensor, alpha, mask: torch.Tensor | None) -> torch.
     return p
 
 
+def _tau_by_support(s: torch.Tensor, mode: int, n: torch.Tensor, newton: int = 3, rounds: int = 3):
+    """τ of α = 1.5 (mode 1) / 2 (mode 2) for scaled rows ``s`` (max 0, masked entries at the floor) without
+    sorting: Newton from the bracket's low end -1 (``f(τ) = Σ [s-τ]_+^e - 1`` is convex and decreasing, so the
+    iterates stay left of the root and their support holds the true one), then the closed form on the support
+    ``S = {s > τ}`` until ``S`` is self-consistent (``S = {s > τ(S)}``: the exact solution, the KKT conditions).
+    Returns ``(τ (..., 1), solved (..., 1) bool)``; rows not consistent after ``rounds`` are left to the caller."""
+    tau = torch.full_like(s[..., :1], -1.0)
+    for _ in range(newton):
+        d = (s - tau).clamp_(min=0)
+        if mode == 1:
+            f, fp = (d * d).sum(-1, keepdim=True) - 1, 2 * d.sum(-1, keepdim=True)
+        else:
+            f, fp = d.sum(-1, keepdim=True) - 1, (d > 0).sum(-1, keepdim=True).to(s.dtype)
+        tau = tau + f / fp.clamp(min=torch.finfo(s.dtype).tiny)
+    sup = s > tau
+    solved = torch.zeros_like(tau, dtype=torch.bool)
+    for _ in range(rounds):
+        w = sup.to(s.dtype)
+        cnt = w.sum(-1, keepdim=True).clamp(min=1)
+        s1 = (s * w).sum(-1, keepdim=True)
+        if mode == 1:
+            s2 = (s * s * w).sum(-1, keepdim=True)
+            tau = (s1 - (s1 * s1 - cnt * (s2 - 1)).clamp(min=0).sqrt()) / cnt
+        else:
+            tau = (s1 - 1) / cnt
+        new = s > tau
+        solved = (new == sup).all(-1, keepdim=True)
+        if bool(solved.all()):
+            break
+        sup = new
+    return tau, solved | (n == 0)
+
+
 def entmax_rows(z: torch.Tensor, alpha: float, keep: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`entmax` of ``z`` over its last dim without autograd (the same values), for many short rows: α = 1.5
-    and 2 apply the closed forms to each row's top entries above the bracket's low end only (``max s - 1``: no
-    entry below it is in the support), which is a partial sort of a few entries instead of a full one."""
+    and 2 find τ without sorting (:func:`_tau_by_support`; the rare rows it leaves get the sort-based closed form)."""
     mode = alpha_mode(alpha)
     if mode == 0:
         return _entmax_forward(z, alpha, keep)
@@ -175,9 +207,11 @@ def entmax_rows(z: torch.Tensor, alpha: float, keep: torch.Tensor | None = None)
     keep = None if keep is None else keep.expand_as(z)
     s, _ = _scaled_scores(z.to(ct), keep, am1)
     n = torch.full_like(s[..., :1], s.shape[-1]) if keep is None else keep.sum(-1, keepdim=True).to(ct)
-    width = max(1, int((s > -1).sum(-1).max())) if s.numel() else 1
-    top = s.topk(min(width, s.shape[-1]), dim=-1).values
-    tau = _tau_sorted(top, mode, am1, n, 0)
+    tau, solved = _tau_by_support(s, mode, n)
+    if not bool(solved.all()):
+        rows = ~solved[..., 0]
+        sub = s[rows]
+        tau[rows] = _tau_sorted(sub.sort(-1, descending=True).values, mode, am1, n[rows], 0)
     p = _probs((s - tau).clamp_(min=0), mode, 1.0 / am1 - 1.0)
     p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny)
     return p if keep is None else p * (n > 0)
