@@ -680,3 +680,22 @@ def test_variant_configs_validate():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="unknown config key"):
         sparse_attention(q, k, v, method="ssmax", alpha=1.5)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_entmax_rows_equals_entmax_with_ties_masks_and_empty_rows(alpha, dtype):
+    from hf_sparse_attn.ops.entmax.naive import entmax, entmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.1, 1.0, 5.0, 30.0):
+        z = torch.randn(120, 37, generator=g, dtype=dtype) * scale
+        keep = torch.rand(120, 37, generator=g) < 0.6
+        keep[:5] = False  # rows without a valid entry: zeros
+        keep[5:10] = False
+        keep[5:10, 3] = True  # one valid entry: probability 1
+        z[10:20, :5] = 2.0  # ties at the top
+        for mask in (None, keep):
+            got = entmax_rows(z, alpha, mask)
+            torch.testing.assert_close(got, entmax(z, alpha, mask), atol=2e-6, rtol=0)
+    assert (got[:5] == 0).all() and (got[5:10, 3] == 1).all()
