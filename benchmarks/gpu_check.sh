@@ -70,8 +70,10 @@ TIMEOUT=""
 section kernel_tests 150 "$PY" -P -m pytest -v -rfE $XDIST $TIMEOUT -p no:cacheprovider -p no:benchmark \
   tests/ops/block_sparse/test_bfla_triton.py tests/ops/bfla_plan/test_bfla_estimate_triton.py \
   tests/ops/bfla_plan/test_bfla_plan_triton.py tests/ops/test_windowed.py \
-  tests/ops/entmax/test_entmax_triton.py tests/test_cuda.py -k "${TESTS_K:-(kernel or cuda or tile) and not interpret}" \
+  tests/ops/entmax/test_entmax_triton.py tests/ops/block_sparse/test_bias_triton.py tests/test_cuda.py -k "${TESTS_K:-(kernel or cuda or tile) and not interpret}" \
   --junitxml="$W/kernel_tests.xml"
+# dash (never timed on a GPU): its op forward and forward+backward vs SDPA default / flash, 8k..32k.
+section dash_bench 90 "$PY" benchmarks/bench_dash_gpu.py --out "$W/dash_gpu.json"
 # Entmax: the kernel vs the PyTorch path, then the grid vs SDPA flash and AdaSplash (its own script; tests ran above).
 section entmax_bench 130 env OUT="$W" PYTHON="$PY" SKIP_TESTS=1 bash benchmarks/gpu_check_entmax.sh
 # The plan in two Triton launches (issue 16): plan time per layer vs SDPA flash, bf16 GQA 32/8 d128, 8k..128k,

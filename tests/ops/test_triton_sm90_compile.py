@@ -96,6 +96,41 @@ def test_bfla_kernels_compile_for_sm90(sm90, dtype, head_dim):
            MAX_SPILL if dtype != torch.float32 else None)
 
 
+def _launch_bfla_bias(head_dim: int, dtype: torch.dtype) -> None:
+    """``count_sass.launch_bfla`` with a per-(row, key tile) ``bias`` (forward, dQ with dbias, dK/dV), softcap and
+    left padding on: the bias variant of the kernels with every other option a GPU run can switch on."""
+    from unittest import mock
+
+    from hf_sparse_attn.ops.block_sparse import triton_bwd as bfla_bwd
+    from hf_sparse_attn.ops.block_sparse import triton_fwd as bfla_fwd
+
+    b, hq, hkv, s, bs, softcap = 1, 8, 2, 256, 128, 30.0
+    q, k, v = (torch.zeros(b, h, s, head_dim, dtype=dtype) for h in (hq, hkv, hkv))
+    nq = s // bs
+    counts = torch.full((b, hkv, nq), 1, dtype=torch.int32)
+    ids = torch.zeros((b, hkv, nq, nq), dtype=torch.int32)
+    fv, bias = torch.tensor([5]), torch.zeros(b, hkv, s, nq)
+    bm, bn, hpt = bfla_fwd.fwd_tiles(hq // hkv, bs, head_dim, True)
+    o, lse = bfla_fwd._launch_fwd(q, k, v, counts, ids, head_dim**-0.5, softcap, 0, bs, bm, bn, hpt, fv, bias=bias)
+    with mock.patch.object(bfla_bwd, "compiled_on_cuda", lambda q: True):  # the tiles of a compiled run
+        bfla_bwd.triton_bwd(o, q, k, v, o, lse.float(), counts, ids, head_dim**-0.5, softcap, 0, bs, first_valid=fv,
+                            bias=bias)
+
+
+_BFLA_BIAS = _slow_except((128, torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"), [_BFLA_BIAS(d, t) for d in (128, 256) for t in (torch.bfloat16, torch.float32)]
+)
+def test_bfla_bias_kernels_compile_for_sm90(sm90, dtype, head_dim):
+    """bfla's forward, dQ (with the bias gradient) and dK/dV kernels with a bias, softcap and left padding, with the
+    tiles a GPU run picks (block 128)."""
+    _launch_bfla_bias(head_dim, dtype)
+    _check(sm90, {"_bfla_fwd_kernel", "_bfla_bwd_dq_kernel", "_bfla_bwd_dkdv_kernel"},
+           MAX_SPILL if dtype != torch.float32 else None)
+
+
 _PLAN = _slow_except((16,))
 
 

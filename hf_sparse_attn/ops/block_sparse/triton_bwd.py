@@ -6,6 +6,9 @@
 Both recompute ``p = exp2(s·log2e - lse·log2e)`` from the forward's LSE; ``delta = rowsum(dO ∘ O)`` is a torch op.
 Softcap: ``ds *= 1 - tanh²`` (the derivative of ``c·tanh(s/c)``). Left padding (``HAS_PAD``, optional
 ``first_valid (B,)``): keys ``j < first_valid[b]`` are masked as in the forward (zero gradients there).
+Bias (``HAS_BIAS``, optional fp32 ``bias (B,Hkv,Sq,NK)``, see ``triton_fwd``): both kernels add it when recomputing
+``p``; the dQ kernel also sums ``ds = p·(dp - delta)`` (before the softcap derivative) over the keys of every kept
+tile into ``dbias_q (B,Hq,Sq,NK)``, which is summed over the heads of each KV group into ``dbias (B,Hkv,Sq,NK)``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from hf_sparse_attn.ops.block_sparse.triton_fwd import (
     _key_span,
     _sub_tile_is_partial,
     _tanh,
+    _tile_bias,
     _visible,
+    bias_args,
     compiled_on_cuda,
     tile_sizes,
 )
@@ -28,17 +33,20 @@ from hf_sparse_attn.ops.block_sparse.triton_fwd import (
 
 @triton.jit
 def _bfla_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, COUNTS, IDS, FV,
+    Q, K, V, DO, LSE, DELTA, DQ, COUNTS, IDS, FV, BIAS, DBIAS,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     scb, sch, scq,
     sib, sih, siq, sik,
+    sbb, sbh, sbm, sbk,
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    # DO and DQ are contiguous (B,Hq,Sq,D); Q may be strided
+    # DO and DQ are contiguous (B,Hq,Sq,D); Q may be strided; DBIAS (HAS_BIAS) is a contiguous (B,Hq,Sq,NK) buffer
+    # of zeros: each program writes the columns of its kept tiles for its own rows
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
@@ -64,10 +72,16 @@ def _bfla_bwd_dq_kernel(
     id_base = IDS + b * sib + hkv * sih + qblk * siq
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
+    bias_base = BIAS + b.to(tl.int64) * sbb + hkv * sbh
+    nk = tl.cdiv(SKV, BLOCK_SIZE)
     for t in range(0, cnt):
         kb = tl.load(id_base + t * sik)
         start = kb * BLOCK_SIZE
         n_lo, n_hi = _key_span(start, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
+        if HAS_BIAS:
+            bias = _tile_bias(bias_base, offs_m, kb, SQ, sbm, sbk)
+            n_hi = tl.where(tl.max(bias, 0) == float("-inf"), n_lo, n_hi)  # hidden from every row: p = 0, skip
+            dbias = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = start + n0 + tl.arange(0, BLOCK_N)
             col_ok = offs_n < SKV
@@ -79,14 +93,20 @@ def _bfla_bwd_dq_kernel(
                 s2 = softcap * th * 1.4426950408889634
             else:
                 s2 = s * (scale * 1.4426950408889634)
+            if HAS_BIAS:
+                s2 = s2 + bias[:, None]
             p = tl.exp2(s2 - lse2[:, None])
             if _sub_tile_is_partial(start + n0, q_first, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW, HAS_PAD):
                 p = tl.where(_visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD), p, 0.0)
             dp = tl.dot(do, vt, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
+            if HAS_BIAS:
+                dbias += tl.sum(ds, 1)  # the gradient w.r.t. the post-softcap logit, summed over the tile's keys
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - th * th)
             dq += tl.dot(ds.to(kk.dtype), kk, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            tl.store(DBIAS + (pid_bh * SQ + offs_m).to(tl.int64) * nk + kb, dbias, mask=row_ok)
     dq = dq * scale
     tl.store(DQ + pid_bh * SQ * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -94,14 +114,16 @@ def _bfla_bwd_dq_kernel(
 
 @triton.jit
 def _bfla_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TCOUNTS, TIDS, FV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TCOUNTS, TIDS, FV, BIAS,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     scb, sch, scq,
     sib, sih, siq, sik,
+    sbb, sbh, sbm, sbk,
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     # DO, DK, DV contiguous; TCOUNTS (B,Hkv,NK), TIDS (B,Hkv,NK,NQ)
@@ -121,6 +143,7 @@ def _bfla_bwd_dkdv_kernel(
     vv = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
     n_last = tl.minimum(n0 + BLOCK_N, SKV) - 1
     fv = _first_valid(FV, b, HAS_PAD)
+    bias_base = BIAS + b.to(tl.int64) * sbb + hkv * sbh
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
@@ -142,6 +165,8 @@ def _bfla_bwd_dkdv_kernel(
             q_last = tl.minimum(start + m0 + BLOCK_M, SQ) - 1 + q_offset
             partial = _sub_tile_is_partial(n0, start + m0 + q_offset, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW,
                                            HAS_PAD) | (start + m0 + BLOCK_M > SQ)
+            if HAS_BIAS:
+                bias = _tile_bias(bias_base, offs_m, kblk, SQ, sbm, sbk)  # shared by the group's heads
             for r in range(0, rep):
                 hq = hkv * rep + r
                 bh = b * HQ + hq
@@ -157,6 +182,8 @@ def _bfla_bwd_dkdv_kernel(
                     s2 = softcap * th * 1.4426950408889634
                 else:
                     s2 = s * (scale * 1.4426950408889634)
+                if HAS_BIAS:
+                    s2 = s2 + bias[:, None]
                 p = tl.exp2(s2 - lse2[:, None])
                 if partial:  # only sub-tiles that hide some (query, key) pair need the mask
                     ok = _visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD) & row_ok[:, None]
@@ -185,8 +212,9 @@ def transpose_lists(counts: torch.Tensor, ids: torch.Tensor, nq: int) -> tuple[t
 
 
 def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_size,
-               block_m: int | None = None, block_n: int | None = None, first_valid=None):
-    """Launch the dQ and dK/dV kernels. -> (dq, dk, dv) in the input dtypes (contiguous).
+               block_m: int | None = None, block_n: int | None = None, first_valid=None, bias=None):
+    """Launch the dQ and dK/dV kernels. -> (dq, dk, dv) in the input dtypes (contiguous), and with a ``bias``
+    ``(B,Hkv,Sq,NK)`` fp32 (None: none) -> (dq, dk, dv, dbias) with ``dbias (B,Hkv,Sq,NK)`` fp32.
     ``first_valid (B,)``: left padding (None: none)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
@@ -199,19 +227,26 @@ def triton_bwd(do, q, k, v, o, lse, counts, ids, scale, softcap, window, block_s
     dk = torch.empty((b, hkv, skv, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, skv, d), dtype=v.dtype, device=v.device)
     fv = counts if first_valid is None else first_valid.contiguous()  # a dummy pointer without padding
+    bias_t, bias_strides = bias_args(bias, b, hkv, sq, skv, block_size, counts)
+    # per query head; zeros: the tiles a row does not list keep a zero gradient
+    dbias_q = counts if bias is None else torch.zeros((b, hq, sq, triton.cdiv(skv, block_size)),
+                                                      dtype=torch.float32, device=q.device)
     common = dict(
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None,
-        DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d,
+        HAS_BIAS=bias is not None, DOT_PREC=_dot_prec(q.dtype), BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
+        HEAD_DIM=d,
         num_warps=4, num_stages=1,
     )
     scalars = (hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0))
     _bfla_bwd_dq_kernel[(triton.cdiv(sq, bm), b * hq)](
-        q, k, v, do, lse, delta, dq, counts, ids, fv,
-        *q.stride(), *k.stride(), *v.stride(), *counts.stride(), *ids.stride(), *scalars, **common,
+        q, k, v, do, lse, delta, dq, counts, ids, fv, bias_t, dbias_q,
+        *q.stride(), *k.stride(), *v.stride(), *counts.stride(), *ids.stride(), *bias_strides, *scalars, **common,
     )
     tcounts, tids = transpose_lists(counts, ids, triton.cdiv(sq, block_size))
     _bfla_bwd_dkdv_kernel[(triton.cdiv(skv, bn), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, tcounts, tids, fv,
-        *q.stride(), *k.stride(), *v.stride(), *tcounts.stride(), *tids.stride(), *scalars, **common,
+        q, k, v, do, lse, delta, dk, dv, tcounts, tids, fv, bias_t,
+        *q.stride(), *k.stride(), *v.stride(), *tcounts.stride(), *tids.stride(), *bias_strides, *scalars, **common,
     )
-    return dq, dk, dv
+    if bias is None:
+        return dq, dk, dv
+    return dq, dk, dv, dbias_q.view(b, hkv, hq // hkv, sq, -1).sum(2)

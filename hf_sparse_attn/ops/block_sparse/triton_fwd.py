@@ -14,6 +14,12 @@ natural-log LSE (fp32). Rows that see no key give o = 0 and a finite LSE.
 Left padding: an optional ``first_valid (B,)`` tensor (``HAS_PAD``) masks keys ``j < first_valid[b]`` in the forward,
 both backward kernels and the estimator; padding query rows see no key (o = 0, LSE 0, zero gradients). The plan
 never lists an all-padding tile, so only the tile holding ``first_valid[b]`` is partly masked.
+
+Bias: an optional fp32 ``bias (B,Hkv,Sq,NK)`` (``HAS_BIAS``, natural-log units) is added to the logit of every key
+of key tile ``J`` for query row ``i`` after the softcap and scaling, shared by the query heads of a KV group;
+``-inf`` hides the tile from the row (a tile hidden from every row of a program is skipped). Its gradient,
+``dbias[i, J] = Σ_{heads of the group} Σ_{j∈J} dS_ij`` (``dS`` w.r.t. the post-softcap logit), comes from the dQ
+kernel of ``triton_bwd``; :mod:`.naive` is the reference.
 """
 
 from __future__ import annotations
@@ -82,16 +88,26 @@ def _first_valid(FV, b, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
+def _tile_bias(bias_base, offs_m, kb, SQ, sbm, sbk):
+    """The bias of query rows ``offs_m`` (local) at key tile ``kb``, in log2 units (the kernels work in exp2);
+    rows past ``SQ`` get ``-inf`` (they are never stored)."""
+    bias = tl.load(bias_base + offs_m * sbm + kb * sbk, mask=offs_m < SQ, other=float("-inf"))
+    return bias * 1.4426950408889634
+
+
+@triton.jit
 def _bfla_fwd_kernel(
-    Q, K, V, OUT, LSE, COUNTS, IDS, FV,
+    Q, K, V, OUT, LSE, COUNTS, IDS, FV, BIAS,
     sqb, sqh, sqm, sqd,
     skb, skh, skn, skd,
     svb, svh, svn, svd,
     sob, soh, som, sod,
     scb, sch, scq,
     sib, sih, siq, sik,
+    sbb, sbh, sbm, sbk,
     HQ, HKV, SQ, SKV, q_offset, scale, softcap, window,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HPT: tl.constexpr, EVEN_N: tl.constexpr,
 ):
@@ -100,7 +116,8 @@ def _bfla_fwd_kernel(
     ``r // BLOCK_M`` of the head tile, query ``m0 + r % BLOCK_M``), so every kept K/V sub-tile is loaded once for
     all of them. Heads past the group (group sizes that are not powers of two) are padding: computed, not stored.
     ``EVEN_N``: ``SKV % BLOCK_N == 0`` (no sub-tile reaches past the keys: unmasked loads). The visibility mask
-    is applied only on the sub-tiles that hide some (query, key) pair (:func:`_sub_tile_is_partial`)."""
+    is applied only on the sub-tiles that hide some (query, key) pair (:func:`_sub_tile_is_partial`).
+    ``HAS_BIAS``: ``BIAS (B,HKV,SQ,NK)`` is added per (row, kept tile), before the visibility mask."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HKV
@@ -130,10 +147,14 @@ def _bfla_fwd_kernel(
     id_base = IDS + b * sib + hkv * sih + qblk * siq
     k_base = K + b * skb + hkv * skh
     v_base = V + b * svb + hkv * svh
+    bias_base = BIAS + b.to(tl.int64) * sbb + hkv * sbh
     for t in range(0, cnt):
         kb = tl.load(id_base + t * sik)
         start = kb * BLOCK_SIZE
         n_lo, n_hi = _key_span(start, q_first, q_last, SKV, window, BLOCK_SIZE, BLOCK_N, HAS_WINDOW)
+        if HAS_BIAS:
+            bias = _tile_bias(bias_base, offs_m, kb, SQ, sbm, sbk)  # all heads of the group share it
+            n_hi = tl.where(tl.max(bias, 0) == float("-inf"), n_lo, n_hi)  # hidden from every row: skip the tile
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = start + n0 + tl.arange(0, BLOCK_N)
             col_ok = offs_n < SKV
@@ -150,6 +171,8 @@ def _bfla_fwd_kernel(
                 s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
             else:
                 s = s * qk_scale
+            if HAS_BIAS:
+                s = s + bias[:, None]
             if _sub_tile_is_partial(start + n0, q_first, q_last, SKV, window, fv, BLOCK_N, HAS_WINDOW, HAS_PAD):
                 s = tl.where(_visible(offs_n, q_abs, col_ok, window, fv, HAS_WINDOW, HAS_PAD), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -215,13 +238,26 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def bias_args(bias, b: int, hkv: int, sq: int, skv: int, block_size: int, dummy: torch.Tensor):
+    """The kernels' ``(BIAS, (sbb, sbh, sbm, sbk))``: the fp32 ``bias (B,Hkv,Sq,NK)`` checked, or ``dummy`` and zero
+    strides without one."""
+    if bias is None:
+        return dummy, (0, 0, 0, 0)
+    nk = triton.cdiv(skv, block_size)
+    if tuple(bias.shape) != (b, hkv, sq, nk):
+        raise ValueError(f"bias must be (B, Hkv, Sq, NK) = {(b, hkv, sq, nk)}, got {tuple(bias.shape)}")
+    bias = bias.to(torch.float32)
+    return bias, bias.stride()
+
+
 def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: int, bn: int, hpt: int,
-                first_valid=None, num_warps: int | None = None, num_stages: int | None = None):
+                first_valid=None, num_warps: int | None = None, num_stages: int | None = None, bias=None):
     """Launch the kernel with explicit tiles (``hpt`` query heads per program: a power of two). -> (o, lse).
     ``first_valid (B,)``: left padding (None: none); ``num_warps`` / ``num_stages`` None: the defaults of
-    :func:`launch_config`."""
+    :func:`launch_config`; ``bias (B,Hkv,Sq,NK)`` fp32: per (row, key tile) (None: none)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
+    bias_t, bias_strides = bias_args(bias, b, hkv, sq, skv, block_size, counts)
     o = torch.empty((b, hq, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(sq, bm), b * hkv, triton.cdiv(hq // hkv, hpt))
@@ -229,10 +265,10 @@ def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: in
     num_warps = num_warps or default_warps
     num_stages = num_stages or default_stages
     _bfla_fwd_kernel[grid](
-        q, k, v, o, lse, counts, ids, counts if first_valid is None else first_valid.contiguous(),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(),
+        q, k, v, o, lse, counts, ids, counts if first_valid is None else first_valid.contiguous(), bias_t,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *counts.stride(), *ids.stride(), *bias_strides,
         hq, hkv, sq, skv, skv - sq, float(scale), float(softcap or 1.0), int(window or 0),
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None,
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(window), HAS_PAD=first_valid is not None, HAS_BIAS=bias is not None,
         DOT_PREC=_dot_prec(q.dtype),
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HPT=hpt, EVEN_N=skv % bn == 0,
         num_warps=num_warps, num_stages=num_stages,
@@ -241,9 +277,10 @@ def _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm: in
 
 
 def triton_fwd(q, k, v, counts, ids, scale: float, softcap: float, window: int, block_size: int,
-               block_m: int | None = None, block_n: int | None = None, first_valid=None):
+               block_m: int | None = None, block_n: int | None = None, first_valid=None, bias=None):
     """Launch the forward kernel (tensors on CUDA, or on CPU under ``TRITON_INTERPRET=1``). -> (o, lse).
     ``block_m`` / ``block_n`` override the per-head query tile / key sub-tile (see :func:`fwd_tiles`);
-    ``first_valid (B,)``: left padding."""
+    ``first_valid (B,)``: left padding; ``bias (B,Hkv,Sq,NK)`` fp32: added per (query row, key tile)."""
     bm, bn, hpt = fwd_tiles(q.shape[1] // k.shape[1], block_size, q.shape[-1], compiled_on_cuda(q), block_m, block_n)
-    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt, first_valid)
+    return _launch_fwd(q, k, v, counts, ids, scale, softcap, window, block_size, bm, bn, hpt, first_valid,
+                       bias=bias)
