@@ -26,6 +26,7 @@ from hf_sparse_attn.ops.dash.naive import (
     tile_bias,
 )
 from hf_sparse_attn.ops.dash.prior import stage1_cpu
+from hf_sparse_attn.ops.entmax.naive import entmax_rows
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,48 @@ def _record(stats: dict[str, Any], plan: BflaPlan, row_tiles: torch.Tensor, sq: 
     stats["rows"] = b * h * sq
 
 
+def _decode_cpu(q, k, v, summ, log_temperature, shape: DashShape, scale: float, softcap, first_valid,
+                stats) -> torch.Tensor:
+    """One query row per batch row (a decode step) on CPU without autograd: stage 1 on the row, then per (batch row,
+    KV head) softmax over the keys of its kept tiles only, with the prior bias. The definition's row exactly, in a
+    few small ops (no worker pool, no lists)."""
+    b, hq, _, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    rep, bs = hq // hkv, shape.block_size
+    t0 = time.perf_counter()
+    sel = selectable_blocks(1, skv, summ.shape[2], bs, shape.sink_blocks, shape.local_blocks, first_valid, q.device)
+    theta = log_temperature.to(summ.dtype).exp().view(hkv, rep, 1, 1)
+    z = torch.matmul(q.to(summ.dtype).view(b, hkv, rep, 1, d), summ[:, :, None].transpose(-1, -2)) * (theta * scale)
+    pi = entmax_rows(z, shape.alpha, sel[:, :, None]).mean(2) if summ.shape[2] else z.new_zeros((b, hkv, 1, 0))
+    bias = tile_bias(prior_bias(pi, shape.prior_strength, shape.center_prior), 1, skv, bs, shape.sink_blocks,
+                     shape.local_blocks)[:, :, 0]  # (B,Hkv,NK)
+    t1 = time.perf_counter()
+    out = torch.empty_like(q)
+    kept = torch.isfinite(bias)
+    ct = torch.promote_types(q.dtype, torch.float32)
+    for r in range(b):
+        for h in range(hkv):
+            tiles = torch.nonzero(kept[r, h]).flatten()
+            pos = (tiles[:, None] * bs + torch.arange(bs)).flatten()
+            ok = pos < skv
+            if first_valid is not None:
+                ok &= pos >= first_valid[r]
+            pos = pos[ok]
+            tb = bias[r, h, pos // bs]
+            kk, vv = k[r, h].index_select(0, pos).to(ct), v[r, h].index_select(0, pos).to(ct)
+            sc = torch.matmul(q[r, h * rep : (h + 1) * rep, 0].to(ct), kk.T) * scale
+            if softcap:
+                sc = softcap * torch.tanh(sc / softcap)
+            p = torch.softmax(sc + tb, dim=-1)
+            out[r, h * rep : (h + 1) * rep, 0] = torch.matmul(p, vv).to(q.dtype)
+    if stats is not None:
+        stats["tiles"] = kept.sum()
+        stats["causal_tiles"] = torch.tensor(b * hkv * -(-skv // bs))
+        stats["row_tiles"], stats["row_causal"], stats["rows"] = stats["tiles"], stats["causal_tiles"], b * hkv
+        stats["stage1_seconds"] = t1 - t0
+    return out
+
+
 def dash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pool_query: torch.Tensor | None,
     log_temperature: torch.Tensor, shape: DashShape, scale: float, softcap: float | None = None,
@@ -106,6 +149,11 @@ def dash_attention(
     ``pool_query`` and ``log_temperature``. -> ``(B,Hq,Sq,D)``."""
     sq, skv = q.shape[2], k.shape[2]
     bs = shape.block_size
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, pool_query, log_temperature))
+    if sq == 1 and q.device.type == "cpu" and not grad:
+        summ = block_summaries(k, pool_query, bs, first_valid) if summaries is None else summaries
+        return _decode_cpu(q, k, v, summ, log_temperature, shape, scale, softcap, first_valid, stats)
     t0 = time.perf_counter()
     bias, keep, row_tiles = stage1(q, k, pool_query=pool_query, log_temperature=log_temperature, shape=shape,
                                    scale=scale, first_valid=first_valid, summaries=summaries)
