@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ def _patch_and_prepare(s: _Session, method_config: dict[str, Any]) -> None:
         optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps,
     )
     s.model, s.optimizer = accelerator.prepare(s.model, optimizer)
+    accelerator.register_for_checkpointing(s.scheduler)
     # Evaluation runs on the unwrapped model (no DDP collectives per forward); FSDP needs its wrapper.
     s.fsdp = accelerator.distributed_type == DistributedType.FSDP
     s.eval_model = s.model if s.fsdp else accelerator.unwrap_model(s.model)
@@ -219,9 +221,28 @@ def _write_folder(s: _Session, out: Path, metrics: dict[str, Any]) -> None:
     s.accelerator.wait_for_everyone()
 
 
+STATE_DIR = "training_state"  # in a step-<N> folder: accelerate's state (weights, optimizer, schedule, RNG)
+
+
 def _save_checkpoint(s: _Session, out: Path) -> None:
-    """``--save-every``: the run so far (no held-out evaluation; the metrics hold the steps so far)."""
+    """``--save-every``: the run so far (no held-out evaluation; the metrics hold the steps so far), and the
+    training state that ``--resume-from`` continues from."""
     _write_folder(s, out, {**s.metrics, "steps_done": len(s.metrics["steps"])})
+    s.accelerator.save_state(str(out / STATE_DIR))
+
+
+def _resume(s: _Session) -> int:
+    """``--resume-from DIR``: load its training state and step log; returns the number of steps done."""
+    folder = Path(s.args.resume_from)
+    if not (folder / STATE_DIR).is_dir() or not (folder / "metrics.json").is_file():
+        raise FileNotFoundError(f"--resume-from={str(folder)!r}: not a step-<N> folder written by --save-every "
+                                f"(needs {STATE_DIR}/ and metrics.json)")
+    done = json.loads((folder / "metrics.json").read_text())
+    s.accelerator.load_state(str(folder / STATE_DIR))
+    s.metrics["steps"] = list(done["steps"])
+    s.metrics["resumed_from"] = str(folder)
+    s.log(f"resumed from {folder} after step {len(s.metrics['steps'])}")
+    return len(s.metrics["steps"])
 
 
 def _train(s: _Session) -> None:
@@ -232,10 +253,12 @@ def _train(s: _Session) -> None:
     target_alpha = getattr(s.handle.config, "alpha", None)
     per_micro = args.batch_size * accelerator.num_processes
     schedule = batch_indices(len(s.train), per_micro, args.steps * args.grad_accum, args.seed)
+    start = _resume(s) if args.resume_from else 0
     s.model.train()
-    bar = tqdm(total=args.steps, desc="finetune", disable=not accelerator.is_local_main_process or args.no_progress)
+    bar = tqdm(total=args.steps, initial=start, desc="finetune",
+               disable=not accelerator.is_local_main_process or args.no_progress)
     t_start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         alpha_set = None
         if args.alpha_anneal_steps and step <= args.alpha_anneal_steps:  # then α is left to training
             alpha_set = anneal_alpha(s.handle, step, args.alpha_anneal_steps, float(target_alpha))

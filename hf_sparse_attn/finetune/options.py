@@ -131,6 +131,9 @@ def _output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="also save the run every N optimizer steps to OUTPUT_DIR/step-<N> (loadable like the final "
                         "folder, e.g. for a score-vs-steps curve); 0: only the final folder")
+    g.add_argument("--resume-from", default=None, metavar="DIR",
+                   help="continue a run from its OUTPUT_DIR/step-<N> folder (written by --save-every): the weights, "
+                        "optimizer, schedule and random state of step N; the same other options as that run")
     g.add_argument("--no-save-model", action="store_true",
                    help="do not write model weights (the method parameters and metrics are still written)")
     g.add_argument("--log-every", type=int, default=1, help="print a log line every N steps (main process)")

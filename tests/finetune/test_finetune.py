@@ -240,6 +240,29 @@ def test_reload_lora_dash_trains_its_parameters_beside_the_adapter(tmp_path, fre
     assert all(p.abs().sum() > 0 for p in learned)  # trained away from the zero (mean-pooling) init
 
 
+def test_resume_from_a_step_folder_ends_where_the_whole_run_ends(tmp_path, fresh_accelerate):
+    """A 4-step dash LoRA run (cosine schedule, LoRA dropout) saved at step 2 and resumed from there ends with the
+    same method parameters and adapter as the run done in one go."""
+    _require("dash")
+    pytest.importorskip("peft")
+    common = ("--method", "dash", "--method-config", *[f"{k}={v}" for k, v in DASH_CFG.items()], "--lora",
+              "--lora-r", "4", "--lora-dropout", "0.1", "--seq-len", "128", "--steps", "4", "--lr", "1e-2",
+              "--warmup-steps", "1", "--no-eval-dense")
+    whole, _ = _run(tmp_path, *common, name="whole")
+    _, out = _run(tmp_path, *common, "--save-every", "2", name="first")
+    assert (out / "step-2" / "training_state").is_dir()
+    resumed, _ = _run(tmp_path, *common, "--resume-from", str(out / "step-2"), name="resumed")
+    assert resumed.metrics["resumed_from"] == str(out / "step-2") and len(resumed.metrics["steps"]) == 4
+    a = {n: p for n, p in whole.model.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert a.keys() == b.keys() and any("hf_sparse_attn_params" in n for n in a)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+    assert [e["loss"] for e in resumed.metrics["steps"]] == pytest.approx([e["loss"] for e in whole.metrics["steps"]])
+    with pytest.raises(FileNotFoundError, match="--resume-from"):
+        _run(tmp_path, *common, "--resume-from", str(out), name="bad")
+
+
 def test_save_every_writes_the_state_after_that_step(tmp_path, fresh_accelerate):
     """``--save-every 2`` of a 4-step run writes ``step-2`` (not ``step-4``: that is the final folder), and it holds
     exactly what a 2-step run with the same seed and a constant learning rate ends with."""
