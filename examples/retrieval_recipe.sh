@@ -34,7 +34,8 @@ HELDOUT_LENGTH=${HELDOUT_LENGTH:-8192}
 TASKS=${TASKS:-niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,niah_multiquery,vt}
 OUT=${OUT:-runs/retrieval_recipe}
 LAUNCH=${LAUNCH:-"accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"}
-EXTRA=${EXTRA:-}
+EXTRA=${EXTRA:-}  # more finetune flags, e.g. EXTRA="--resume-from runs/retrieval_recipe/dash/step-20" (one method)
+SAVE_EVERY=${SAVE_EVERY:-0}  # N > 0: OUT/<method>/step-<N> folders with the training state every N steps
 ALPHA=${ALPHA:-1.25}
 DASH_CONFIG=${DASH_CONFIG:-"block_size=64 temperature=1.0"}  # dash's options (its pooling query and temperatures learn)
 
@@ -44,7 +45,7 @@ COMMON=(
   --heldout-length "$HELDOUT_LENGTH" --num-train-samples "$TRAIN_SAMPLES" --num-eval-samples "$EVAL_SAMPLES"
   --loss-on answer
   --lora --lora-r 16 --lora-alpha 32 --lr 3e-4 --method-lr 1e-2 --lr-schedule cosine --warmup-steps "$WARMUP"
-  --batch-size 1 --gradient-checkpointing --no-progress --log-every 10 --seed 0
+  --batch-size 1 --gradient-checkpointing --no-progress --log-every 10 --seed 0 --save-every "$SAVE_EVERY"
 )
 
 method_flags() {
