@@ -11,7 +11,6 @@ plan (``build_plan``: selection at ``keep_mass=0.9``, GQA union, rescues, compac
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from hf_sparse_attn.methods import bfla
 from hf_sparse_attn.ops.bfla_plan.estimate import estimate_rows
+from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -200,9 +200,4 @@ def test_estimate_kernels_under_interpreter():
     """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
     if INTERPRET or ON_CUDA:
         pytest.skip("kernel tests run directly in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "kernel and not interpreter"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2], r.stdout[-2000:]
+    run_kernel_tests_under_interpreter(__file__)

@@ -9,14 +9,13 @@ diagonal tile only and a row that sees no tile (o = 0, lse = 0, zero gradients, 
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hf_sparse_attn.ops.block_sparse.naive import reference_sparse_bwd, reference_sparse_fwd
 from hf_sparse_attn.ops.block_sparse.tiles import block_valid, compact, valid_rows
+from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -199,9 +198,4 @@ def test_bias_kernels_under_interpreter():
     """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
     if INTERPRET or ON_CUDA:
         pytest.skip("kernel tests run directly in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--durations=0", __file__]
-    cmd += ["-k", "kernel and not interpreter"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2], r.stdout[-2000:]
+    run_kernel_tests_under_interpreter(__file__)

@@ -3,8 +3,6 @@
 reference gradients. On CUDA directly; without CUDA in a subprocess under ``TRITON_INTERPRET=1`` (fp32, fp16)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from hf_sparse_attn.ops.block_sparse.naive import reference_sparse_bwd
 from hf_sparse_attn.ops.block_sparse.tiles import compact
 from hf_sparse_attn.ops.dash.attention import DashShape, stage1
 from hf_sparse_attn.ops.dash.naive import dash_attention_reference
+from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -85,9 +84,4 @@ def test_dash_kernels_under_interpreter():
     """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
     if INTERPRET or ON_CUDA:
         pytest.skip("kernel tests run directly in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "kernel and not interpreter"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2], r.stdout[-2000:]
+    run_kernel_tests_under_interpreter(__file__)
