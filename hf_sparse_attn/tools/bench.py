@@ -379,6 +379,37 @@ def bench_prefill(model, ids: torch.Tensor, methods: list[str], reps: int, basel
     }
 
 
+def bench_decode(model, ids: torch.Tensor, methods: list[str], tokens: int, reps: int) -> dict:
+    """Greedy decode time per token over ``tokens`` steps after a prefill of ``ids (1, L)``, per method (``dense``:
+    the model unpatched), methods alternating within each repetition; with the density the last decode step attended
+    (``decode_density``; 1.0 for dense)."""
+    from hf_sparse_attn.api import patch_model
+    from hf_sparse_attn.core.compat import cache_kwargs
+
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    density: dict[str, float | None] = {}
+    for rep in range(reps + 1):
+        for m in methods:
+            name, config = parse_method(m)
+            handle = None if name == "dense" else patch_model(model, method=name, **config)
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                t0 = time.perf_counter()
+                for _ in range(tokens):
+                    out = model(input_ids=nxt, use_cache=True, **cache_kwargs(model, cache))
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                dt = (time.perf_counter() - t0) / tokens
+            if rep:
+                times[m].append(dt)
+                density[m] = handle.stats()["density"] if handle else 1.0
+            if handle:
+                handle.remove()
+    dense = statistics.median(times["dense"])
+    return {m: {**_stats(t), "speedup_vs_dense": dense / statistics.median(t), "decode_density": density[m]}
+            for m, t in times.items()}
+
+
 def prose_ids(tokenizer, length: int) -> torch.Tensor:
     """``(1, length)`` token ids of real English text: the standard-library documentation haystacks of
     :mod:`hf_sparse_attn.testing.prose`, every text in turn, cut at ``length`` tokens."""
@@ -458,11 +489,11 @@ def to_markdown(res: dict) -> str:
         lines += [
             f"## {length} tokens",
             "",
-            "| measurement | method | median s | min–max s | × vs dense | density (tiles) |",
+            "| measurement | method | median s (decode: per token) | min–max s | × vs dense | density (tiles) |",
             "|---|---|---|---|---|---|",
         ]
         parts = ["op_forward", "op_forward_backward", "op_forward_finetuned", "op_forward_backward_finetuned"] + [
-            p for p in r if p.startswith("prefill")]
+            p for p in r if p.startswith(("prefill", "decode"))]
         for part in parts:
             for m, s in r.get(part, {}).items():
                 if "not_run" in s:
@@ -471,7 +502,13 @@ def to_markdown(res: dict) -> str:
                     extra = ""
                     if s.get("dense_layers"):
                         extra = f" (dense layers {s['dense_layers']})"
-                    dens = f"{s['density']:.4f} ({s['tile_density']:.3f})" if "tile_density" in s else ""
+                    dens = ""
+                    if "tile_density" in s:  # entmax: weights (tiles)
+                        dens = f"{s['density']:.4f} ({s['tile_density']:.3f})"
+                    elif "row_density" in s:  # dash: tiles visited (tiles each row attends)
+                        dens = f"{s['density']:.3f} (rows {s['row_density']:.3f})"
+                    elif s.get("decode_density") is not None:
+                        dens = f"{s['decode_density']:.3f}"
                     lines.append(
                         f"| {part} | {m}{extra} | {s['median_s']:.3f} | {s['min_s']:.3f}–{s['max_s']:.3f} | "
                         f"{s['speedup_vs_dense']:.2f}× | {dens} |"
@@ -529,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                    "number of cores)")
     p.add_argument("--baseline", choices=("unpatched", "patched"), default="unpatched",
                    help="the prefill's dense row: the model as loaded, or patched with method dense")
+    p.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+                   help="also time N greedy decode steps per method after the prose prompt (ms per token; 0: none)")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-op", action="store_true", help="skip the attention-op benchmark")
@@ -587,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                     ids, mask = prompt_batch(prompt, tok, model.config.vocab_size, length)
                     r[f"prefill_{prompt}"] = bench_prefill(model, ids, methods, max(1, args.reps - 1), args.baseline,
                                                            mask)
+            if args.decode_tokens > 0:
+                r["decode_prose"] = bench_decode(model, prose_ids(tok, length), methods, args.decode_tokens,
+                                                 max(1, args.reps - 1))
             res["lengths"][str(length)] = r
             print(to_markdown({**res, "lengths": {str(length): r}}), flush=True)
     res["load_after"] = _load()

@@ -57,6 +57,24 @@ def test_bench_end_to_end_small(tmp_path):
     assert "(the run goes on)" in bench.to_markdown({**res, "load_after": None}) and "None" not in md
 
 
+def test_bench_dash_op_prefill_and_decode(tmp_path):
+    """dash in the bench: op forward with its densities and stage-1 share, prefill, and decode per token with the
+    density the decode step attended."""
+    out = tmp_path / "d"
+    spec = "dash:block_size=16;temperature=4"
+    bench.main(["--model", "smollm2", "--lengths", "256", "--layers", "0", "--reps", "1", "--no-backward", "--peers",
+                "", "--methods", f"dense,{spec}", "--threads", "1", "--prompts", "prose", "--decode-tokens", "3",
+                "--finetuned", "", "--out", str(out)])
+    r = json.loads((out / "bench.json").read_text())["lengths"]["256"]
+    op = r["op_forward"][spec]
+    assert 0 < op["row_density"] < 1 and op["row_density"] <= op["density"] <= 1  # 256 tokens: unions cover all
+    assert op["blocks_per_row"] > 0 and 0 < op["stage1_share"] < 1
+    dec = r["decode_prose"]
+    assert dec["dense"]["decode_density"] == 1.0 and 0 < dec[spec]["decode_density"] < 1
+    assert dec[spec]["median_s"] > 0 and r["prefill_prose"][spec]["density"] < 1
+    assert f"| decode_prose | {spec} |" in (out / "bench.md").read_text()
+
+
 def test_prose_ids_have_the_length_and_name_the_limit():
     from hf_sparse_attn.models import load
 
