@@ -20,3 +20,17 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
     """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not allowed; allowed values: {list(choices)}")
+
+
+def check_int(name: str, value: Any, low: int, high: int) -> None:
+    """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` is an integer (not a bool) in
+    ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer in [{low}, {high}]")
+    check_range(name, value, low, high)
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``name`` and ``value`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed; allowed values: [True, False]")

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from hf_sparse_attn.core.checks import check_choice, check_range
+from hf_sparse_attn.core.checks import check_choice, check_int, check_range
 from hf_sparse_attn.methods.base import MethodConfig
 
 ESTIMATORS = ("rows", "pooled", "antidiag")
 BACKENDS = ("auto", "torch", "triton", "flex")
 HEAD_LISTS = ("auto", "group", "head")
 _BIG = 1 << 30
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer in [{low}, {high}]")
-    check_range(name, value, low, high)
 
 
 @dataclass
@@ -79,16 +72,16 @@ class BflaConfig(MethodConfig):
             self.keep_mass = tuple(float(x) for x in self.keep_mass)
         else:
             check_range("keep_mass", self.keep_mass, 0.0, 1.0, low_open=True)
-        _check_int("min_blocks", self.min_blocks, 0, _BIG)
+        check_int("min_blocks", self.min_blocks, 0, _BIG)
         check_range("max_density", self.max_density, 0.0, 1.0, low_open=True)
-        _check_int("sink", self.sink, 0, _BIG)
-        _check_int("local", self.local, -1, _BIG)
-        _check_int("dense_last_blocks", self.dense_last_blocks, 0, _BIG)
+        check_int("sink", self.sink, 0, _BIG)
+        check_int("local", self.local, -1, _BIG)
+        check_int("dense_last_blocks", self.dense_last_blocks, 0, _BIG)
         check_range("flat_entropy", self.flat_entropy, 0.0, 1.0)
         if self.min_seq_len is not None:
-            _check_int("min_seq_len", self.min_seq_len, 0, _BIG)
+            check_int("min_seq_len", self.min_seq_len, 0, _BIG)
         check_choice("estimator", self.estimator, ESTIMATORS)
-        _check_int("rows_per_block", self.rows_per_block, 1, self.block_size)
+        check_int("rows_per_block", self.rows_per_block, 1, self.block_size)
         check_choice("antidiag_stride", self.antidiag_stride, (1, 2, 4, 8, 16, 32, 64))
         if self.antidiag_stride > self.block_size:
             raise ValueError(

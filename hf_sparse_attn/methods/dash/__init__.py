@@ -8,6 +8,8 @@ exact over their band (the dense method). Each layer keeps its complete blocks' 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from typing import Any
 
@@ -69,7 +71,7 @@ def _layer_params(q: torch.Tensor, k: torch.Tensor, config: DashConfig, layer: L
     if layer is not None and isinstance(layer.params, DashParams):
         return layer.params.pool(), layer.params.log_temperature, layer.params.cache
     pool = None if config.pooling == "mean" else q.new_zeros((k.shape[1], q.shape[-1]), dtype=torch.float32)
-    log_t = torch.full((q.shape[1],), float(torch.tensor(config.temperature).log()), device=q.device)
+    log_t = torch.full((q.shape[1],), math.log(config.temperature), device=q.device)
     return pool, log_t, None
 
 
@@ -84,7 +86,7 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config: D
     if q.is_cuda and q.shape[-1] not in TRITON_HEAD_DIMS:
         log_once(f"dash: head_dim {q.shape[-1]} is not supported by the Triton kernels; runs the PyTorch reference")
         return dash_attention_reference(q, k, v, pool_query=pool, log_temperature=log_t, scale=scale,
-                                        softcap=softcap, first_valid=first_valid, **_shape_kwargs(config))
+                                        softcap=softcap, first_valid=first_valid, **dataclasses.asdict(config.shape()))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, pool, log_t))
     shape = config.shape()
@@ -101,11 +103,6 @@ def _forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config: D
         stats["seconds"] = time.perf_counter() - t0 if q.device.type == "cpu" else None
         stats["phase"] = "decode" if q.shape[2] == 1 else "prefill"
     return out
-
-
-def _shape_kwargs(config: DashConfig) -> dict[str, Any]:
-    return dict(block_size=config.block_size, alpha=config.alpha, prior_strength=config.prior_strength,
-                center_prior=config.center_prior, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
 
 
 def _layer_stats(state: LayerState) -> dict[str, Any]:

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_sparse_attn.core.checks import check_choice, check_range
+from hf_sparse_attn.core.checks import check_bool, check_choice, check_int, check_range
 from hf_sparse_attn.methods.base import MethodConfig
 from hf_sparse_attn.ops.dash.attention import DashShape
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 POOLINGS = ("attention", "mean")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not allowed; allowed values: [True, False]")
-
-
-def _check_int(name: str, value, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is out of range; allowed: an integer in [{low}, {high}]")
 
 
 @dataclass
@@ -51,10 +41,10 @@ class DashConfig(MethodConfig):
         check_range("temperature", self.temperature, 0.0, 1000.0, low_open=True)
         check_choice("pooling", self.pooling, POOLINGS)
         check_range("prior_strength", self.prior_strength, 0.0, 100.0)
-        _check_bool("center_prior", self.center_prior)
-        _check_int("sink_blocks", self.sink_blocks, 0, 64)
-        _check_int("local_blocks", self.local_blocks, 0, 64)
-        _check_bool("learn", self.learn)
+        check_bool("center_prior", self.center_prior)
+        check_int("sink_blocks", self.sink_blocks, 0, 64)
+        check_int("local_blocks", self.local_blocks, 0, 64)
+        check_bool("learn", self.learn)
 
     def shape(self) -> DashShape:
         return DashShape(self.block_size, float(self.alpha), float(self.prior_strength), self.center_prior,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hf_sparse_attn.core.checks import check_range
+from hf_sparse_attn.core.checks import check_bool, check_range
 from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
 from hf_sparse_attn.ops.entmax.attention import entmax_attention
 from hf_sparse_attn.ops.entmax.cpu_tiles import tile_fractions
@@ -23,8 +23,7 @@ class EntmaxConfig(MethodConfig):
 
     def validate(self) -> None:
         check_range("alpha", self.alpha, 1.0, 2.0, low_open=True)
-        if not isinstance(self.learn_alpha, bool):
-            raise ValueError(f"learn_alpha={self.learn_alpha!r} is not allowed; allowed values: [True, False]")
+        check_bool("learn_alpha", self.learn_alpha)
 
 
 @dataclass

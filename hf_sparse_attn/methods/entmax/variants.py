@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hf_sparse_attn.core.checks import check_range
+from hf_sparse_attn.core.checks import check_bool, check_range
 from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
 from hf_sparse_attn.methods.entmax.method import entmax_layer_stats, module_device, num_query_heads
 from hf_sparse_attn.ops.dense import dense_attention
@@ -54,8 +54,7 @@ class ASEntmaxConfig(MethodConfig):
         check_range("gamma", self.gamma, 0.0, 4.0, low_open=True)
         check_range("delta_init", self.delta_init, -100.0, 100.0)
         check_range("beta_init", self.beta_init, -100.0, 100.0)
-        if not isinstance(self.learn, bool):
-            raise ValueError(f"learn={self.learn!r} is not allowed; allowed values: [True, False]")
+        check_bool("learn", self.learn)
 
 
 class ASEntmaxParams(torch.nn.Module):
@@ -123,8 +122,7 @@ class SSMaxConfig(MethodConfig):
             check_range("s_init", self.s_init, 0.0, 100.0)
         if not isinstance(self.ref_len, int) or isinstance(self.ref_len, bool) or self.ref_len < 2:
             raise ValueError(f"ref_len={self.ref_len!r} is out of range; allowed: an integer >= 2")
-        if not isinstance(self.learn, bool):
-            raise ValueError(f"learn={self.learn!r} is not allowed; allowed values: [True, False]")
+        check_bool("learn", self.learn)
 
     def initial_s(self) -> float:
         return float(self.s_init) if self.s_init is not None else 1.0 / math.log(self.ref_len)

@@ -49,12 +49,6 @@ def query_block_union(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, 0, 0, nq * block_size - sq)).view(b, h, nq, block_size, nk).any(3)
 
 
-def tile_lists(bias: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (batch row, KV head, query block) the tiles some row of the block keeps (finite bias), as compact lists
-    ``counts (B,Hkv,NQ)`` int32 and ``ids (B,Hkv,NQ,NK)`` int32 (kept ids ascending first)."""
-    return compact(query_block_union(torch.isfinite(bias), block_size))
-
-
 def stage1(
     q: torch.Tensor, k: torch.Tensor, *, pool_query: torch.Tensor | None, log_temperature: torch.Tensor,
     shape: DashShape, scale: float, first_valid: torch.Tensor | None = None,

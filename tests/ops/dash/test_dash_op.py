@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_sparse_attn.ops.dash.attention import DashShape, dash_attention, stage1, tile_lists
+from hf_sparse_attn.ops.block_sparse.tiles import compact
+from hf_sparse_attn.ops.dash.attention import DashShape, dash_attention, query_block_union, stage1
 from hf_sparse_attn.ops.dash.naive import block_summaries, dash_attention_reference
 from hf_sparse_attn.ops.dense import dense_attention
 
@@ -139,6 +140,11 @@ def test_fp16_inputs_match_the_fp32_reference():
         ref = _ref(q.half().float(), k.half().float(), v.half().float(), pool, log_t, shape, scale=0.125)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def tile_lists(bias: torch.Tensor, block_size: int):
+    """The compact lists of the tiles some row of each query block keeps (what dash_attention builds)."""
+    return compact(query_block_union(torch.isfinite(bias), block_size))
 
 
 def test_tile_lists_are_the_union_of_the_rows_of_each_query_block():
