@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from hf_sparse_attn.core.checks import check_range
-from hf_sparse_attn.integration import ATTN_NAME, STATE_ATTR, register
+from hf_sparse_attn.core.checks import check_bool, check_range
+from hf_sparse_attn.integration import ATTN_NAME, STATE_ATTR, VARLEN_ATTN_NAME, register
 from hf_sparse_attn.methods import LayerState, Method, MethodConfig, get_method
 from hf_sparse_attn.methods.entmax.method import AlphaParams
 from hf_sparse_attn.ops.band import band_density
@@ -235,6 +235,7 @@ def patch_model(
     method: str = "bfla",
     layers: str | Iterable[int] | None = None,
     from_pretrained: str | os.PathLike | None = None,
+    continuous_batching: bool = False,
     **method_config: Any,
 ) -> PatchHandle:
     """Switch a causal decoder's text attention to ``method`` (``supported_model_types()`` are verified; another
@@ -243,6 +244,10 @@ def patch_model(
     ``layers``: None (the method's default: all attention layers, or the full-attention layers for methods that
     approximate), "all", "eligible", or layer indices; other layers stay exact (dense).
     ``from_pretrained``: a folder written by ``PatchHandle.save`` whose learned parameters are restored.
+    ``continuous_batching``: register the attention under :data:`~hf_sparse_attn.integration.VARLEN_ATTN_NAME`, the
+    flash-named alias transformers admits in continuous batching (``generate_batch``, ``ContinuousBatchingManager``,
+    ``transformers serve --continuous-batching``); the same function, exact and sparse per sequence. Packed
+    ``position_ids`` in training run per sequence under either name.
     ``method_config``: validated against the method's config dataclass (``ValueError`` naming a bad key/value).
     Patching a patched model first removes the previous patch.
     ``TypeError``: ``model`` is not a transformers model (None, a tokenizer, ...). ``NotImplementedError``: the
@@ -250,6 +255,7 @@ def patch_model(
     learned sinks with a method that cannot honour them), with the reason.
     """
     base = _check_model(model)
+    check_bool("continuous_batching", continuous_batching)
     m = get_method(method)
     config = m.make_config(**method_config)
     text_config = base.config.get_text_config()
@@ -290,6 +296,8 @@ def patch_model(
 
     is_composite = base.config is not text_config
     base.set_attn_implementation({"text_config": ATTN_NAME} if is_composite else ATTN_NAME)
+    if continuous_batching:
+        _use_varlen_name(base)
     total = getattr(text_config, "num_hidden_layers", len(modules))
     attention_layers = patcher.num_attention_layers(text_config, modules) * len(patched_modules) / len(modules)
     handle = PatchHandle(base, m, config, patched_modules, snapshot, total, attention_layers)
@@ -301,6 +309,14 @@ def patch_model(
             handle.remove()
             raise
     return handle
+
+
+def _use_varlen_name(base: torch.nn.Module) -> None:
+    """Switch every config that now names :data:`ATTN_NAME` to :data:`VARLEN_ATTN_NAME`. Set directly:
+    ``set_attn_implementation`` would try to import a flash-attention package for a name that contains "flash"."""
+    for cfg in _all_configs(base):
+        if cfg._attn_implementation_internal == ATTN_NAME:
+            cfg._attn_implementation_internal = VARLEN_ATTN_NAME
 
 
 def unpatch_model(model: torch.nn.Module) -> None:

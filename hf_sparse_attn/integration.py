@@ -6,6 +6,14 @@ concatenated), a mask in the form of ``hf_sparse_attn.core.masks``, ``scaling`` 
 ``query_pre_attn_scalar**-0.5``, Gemma 4 passes 1.0), ``sliding_window``/``softcap``/``is_causal`` when the model
 passes them. Returns ``(B,Sq,Hq,D)`` contiguous and ``None`` (no attention weights).
 
+Packed sequences (varlen): with transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs (continuous batching,
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) or the mask function's
+:class:`~hf_sparse_attn.core.masks.Packed` descriptor (packed ``position_ids`` without mask and cache), ``B == 1`` and
+each sequence runs as its own call of the method (its own plan, its own dispatch rule), bottom-right causal within
+its keys; no O(S²) mask is built. transformers hands varlen kwargs and continuous batching only to names that
+contain "flash", so the same function is also registered as :data:`VARLEN_ATTN_NAME`
+(``patch_model(..., continuous_batching=True)`` selects it).
+
 The method and its config are read from the attention module (``module.hf_sparse_attn``, set by ``patch_model``);
 a module without it runs the exact ``dense`` path, so ``attn_implementation="hf_sparse_attn"`` alone is exact.
 Every call goes through :func:`run_method`, which computes sliding-window layers over their band only
@@ -17,18 +25,23 @@ differs from the q/k head_dim (multi-head latent attention) is zero-padded to it
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from hf_sparse_attn.core.log import log_once
-from hf_sparse_attn.core.masks import ChunkedCausal, LeftPadding, hf_sparse_attn_mask
+from hf_sparse_attn.core.masks import ChunkedCausal, LeftPadding, Packed, hf_sparse_attn_mask
 from hf_sparse_attn.methods.base import LayerState, Method, MethodConfig
 from hf_sparse_attn.methods.dense import METHOD as DENSE
 from hf_sparse_attn.ops.band import band_saves_work, chunked_attention, windowed_attention
 from hf_sparse_attn.ops.sinks import sink_attention
+from hf_sparse_attn.ops.spans import attend_spans
 
 ATTN_NAME = "hf_sparse_attn"
+# The same function under a name containing "flash": transformers admits only such names (and sdpa / paged|eager)
+# in continuous batching and passes varlen kwargs (cu_seq_lens_*) only to them.
+VARLEN_ATTN_NAME = "hf_sparse_attn_flash_varlen"
 STATE_ATTR = "hf_sparse_attn"
 
 
@@ -59,6 +72,7 @@ def hf_sparse_attn_forward(
     if s_aux is not None:
         method = _sink_method(method, state)
     query, key, value, dv = _equal_head_dims(query, key, value)
+    attention_mask = _varlen_mask(attention_mask, query.shape[0], kwargs)
     out = run_method(
         method, config, state, query, key, value, attention_mask,
         scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window, sinks=s_aux,
@@ -66,6 +80,38 @@ def hf_sparse_attn_forward(
     if dv is not None:
         out = out[..., :dv]
     return out.transpose(1, 2).contiguous(), None
+
+
+_CU_MEMO: list = [None]  # ((weakref q, version), (weakref k, version), Packed) of the last varlen call
+
+
+def _host_cu(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in t.tolist())
+
+
+def _varlen_mask(mask, batch: int, kwargs: dict):
+    """The :class:`Packed` descriptor of transformers' varlen kwargs (``cu_seq_lens_q`` / ``cu_seq_lens_k``), else
+    ``mask`` unchanged. The host copy of the lengths is reused across the layers of one forward (same tensors, same
+    version counter), so a GPU forward syncs once, not once per layer."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return mask
+    if cu_q is None or cu_k is None or not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
+        raise ValueError("hf_sparse_attn: varlen attention needs both cu_seq_lens_q and cu_seq_lens_k as tensors, "
+                         f"got {type(cu_q).__name__} and {type(cu_k).__name__}")
+    if batch != 1:
+        raise ValueError(f"hf_sparse_attn: varlen kwargs (cu_seq_lens_*) need packed inputs with batch size 1, got "
+                         f"batch size {batch}")
+    if not (mask is None or isinstance(mask, Packed)):
+        raise ValueError("hf_sparse_attn: varlen kwargs (cu_seq_lens_*) come with an explicit attention mask; pass "
+                         "one or the other (packed sequences need no mask)")
+    memo = _CU_MEMO[0]
+    key = (cu_q._version, cu_k._version)
+    if memo is not None and memo[0]() is cu_q and memo[1]() is cu_k and memo[2] == key:
+        return memo[3]
+    packed = Packed(_host_cu(cu_q), _host_cu(cu_k))
+    _CU_MEMO[0] = (weakref.ref(cu_q), weakref.ref(cu_k), key, packed)
+    return packed
 
 
 def _sink_method(method: Method, state: LayerState | None) -> Method:
@@ -136,6 +182,9 @@ def run_method(
 
     A windowed prefill records ``layer.stats["window"] = (Sq, Skv, W)`` (shown by ``PatchHandle.stats`` as
     ``windowed`` with its ``band_density``)."""
+    if isinstance(mask, Packed):
+        return _run_packed(method, config, layer, q, k, v, mask, scale=scale, causal=causal, softcap=softcap,
+                           sliding_window=sliding_window, sinks=sinks)
     kwargs = dict(scale=scale, causal=causal, softcap=softcap, config=config)
     attend = method.forward if sinks is None else functools.partial(_sink_forward, sinks=sinks)
     if isinstance(mask, ChunkedCausal) and causal:
@@ -149,6 +198,19 @@ def run_method(
     return out
 
 
+def _run_packed(method, config, layer, q, k, v, packed: Packed, **kwargs) -> torch.Tensor:
+    """Packed sequences: :func:`run_method` once per sequence (its own dispatch, band, plan), bottom-right causal
+    within the sequence's keys; the layer's stats are summed over the sequences."""
+    if q.shape[0] != 1 or packed.shape[2:] != (q.shape[2], k.shape[2]):
+        raise ValueError(f"hf_sparse_attn: packed sequences cover {packed.shape[2]} queries and {packed.shape[3]} "
+                         f"keys in one batch row; got q {tuple(q.shape)} and k {tuple(k.shape)}")
+
+    def one_sequence(qs, ks, vs, mask, *, layer):
+        return run_method(method, config, layer, qs, ks, vs, mask, **kwargs)
+
+    return attend_spans(one_sequence, q, k, v, packed.spans(), layer=layer)
+
+
 def _sink_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer, sinks):
     """The method-call signature over :func:`~hf_sparse_attn.ops.sinks.sink_attention` (exact dense with sinks)."""
     return sink_attention(
@@ -157,7 +219,10 @@ def _sink_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, conf
 
 
 def register() -> str:
-    """Register the attention and mask functions with transformers (idempotent). Returns the name."""
+    """Register the attention and mask functions with transformers under :data:`ATTN_NAME` and
+    :data:`VARLEN_ATTN_NAME` (idempotent). Returns ``ATTN_NAME``."""
     AttentionInterface.register(ATTN_NAME, hf_sparse_attn_forward)
     AttentionMaskInterface.register(ATTN_NAME, hf_sparse_attn_mask)  # .register: item assignment is ignored
+    AttentionInterface.register(VARLEN_ATTN_NAME, hf_sparse_attn_forward)
+    AttentionMaskInterface.register(VARLEN_ATTN_NAME, hf_sparse_attn_mask)
     return ATTN_NAME

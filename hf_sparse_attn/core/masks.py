@@ -9,6 +9,9 @@ The attention function of ``hf_sparse_attn`` receives one of three mask forms:
   of each batch row (O(B) memory instead of O(B·Sq·Skv)). It survives Gemma 4's ``mask[:, :, -n:, :]`` slicing.
 * :class:`ChunkedCausal` — chunked causal attention without padding (Llama 4 chunked layers); the attention
   function computes it chunk by chunk (each chunk a plain causal call), methods never see it.
+* :class:`Packed` — several sequences packed into one batch row (padding-free training, continuous batching), each
+  causal bottom-right aligned within its own keys; the attention function runs each sequence as its own call
+  (``hf_sparse_attn.ops.varlen``), methods never see it.
 * a bool tensor ``(B|1, 1, Sq, Skv)``, True = attend, which already contains causality, window and padding.
 """
 
@@ -81,6 +84,45 @@ class ChunkedCausal:
         return ((k_abs <= q_abs) & (k_abs // self.chunk_size == q_abs // self.chunk_size))[None, None]
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Sequences packed into one batch row (B == 1): sequence ``i`` owns the queries ``cu_q[i]:cu_q[i+1]`` and the
+    keys ``cu_k[i]:cu_k[i+1]``; within it, the pattern of a ``None`` mask (causal bottom-right aligned with the
+    layer's window, or all of the sequence's keys for a non-causal call). Queries never see another sequence's keys.
+    ``cu_q`` / ``cu_k``: cumulative lengths as Python ints, ``cu[0] == 0`` (the ``cu_seq_lens_q/k`` of transformers'
+    varlen kwargs)."""
+
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.cu_q) != len(self.cu_k) or len(self.cu_q) < 2 or self.cu_q[0] != 0 or self.cu_k[0] != 0:
+            raise ValueError(f"Packed: cu_q={self.cu_q} and cu_k={self.cu_k} must be cumulative lengths from 0, "
+                             "one entry per sequence plus one")
+        for cu in (self.cu_q, self.cu_k):
+            if any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+                raise ValueError(f"Packed: cumulative lengths must not decrease, got {cu}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (1, 1, self.cu_q[-1], self.cu_k[-1])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.cu_q) - 1
+
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """``(q0, q1, k0, k1)`` of every sequence."""
+        return [(self.cu_q[i], self.cu_q[i + 1], self.cu_k[i], self.cu_k[i + 1]) for i in range(self.num_sequences)]
+
+    def bool_mask(self, causal: bool, sliding_window: int | None, device: torch.device | str) -> torch.Tensor:
+        """The same pattern as a bool (1, 1, Sq, Skv) mask (block diagonal; for references and tests)."""
+        keep = torch.zeros(self.shape, dtype=torch.bool, device=device)
+        for q0, q1, k0, k1 in self.spans():
+            keep[..., q0:q1, k0:k1] = causal_bool_mask(q1 - q0, k1 - k0, sliding_window, device) if causal else True
+        return keep
+
+
 def causal_bool_mask(
     q_len: int, kv_len: int, sliding_window: int | None = None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -135,11 +177,20 @@ def to_bool_mask(
         return keep & not_pad[:, None, None, :]
     if isinstance(mask, ChunkedCausal):
         return mask.bool_mask(device)
+    if isinstance(mask, Packed):
+        return mask.bool_mask(causal, sliding_window, device)
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
             raise TypeError(f"attention mask must be bool (True = attend), got dtype {mask.dtype}")
         return mask
     raise TypeError(f"unsupported attention mask type {type(mask).__name__}")
+
+
+def _closure_parts(mask_function) -> tuple:
+    """The mask functions combined by transformers' ``and_masks`` (empty for any other function)."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask" or not mask_function.__closure__:
+        return ()
+    return next((c.cell_contents for c in mask_function.__closure__ if isinstance(c.cell_contents, tuple)), ())
 
 
 def _is_plain_causal(mask_function) -> bool:
@@ -153,9 +204,7 @@ def _is_plain_causal(mask_function) -> bool:
     name = getattr(mask_function, "__qualname__", "")
     if "sliding_window_causal_mask_function" in name:
         return True
-    if name != "and_masks.<locals>.and_mask" or not mask_function.__closure__:
-        return False
-    parts = next((c.cell_contents for c in mask_function.__closure__ if isinstance(c.cell_contents, tuple)), ())
+    parts = _closure_parts(mask_function)
     names = sorted(getattr(p, "__qualname__", "") for p in parts)
     overlay = "sliding_window_overlay.<locals>.inner_mask"
     return len(parts) == 2 and causal_mask_function in parts and names[1] == overlay
@@ -163,11 +212,43 @@ def _is_plain_causal(mask_function) -> bool:
 
 def _is_plain_chunked(mask_function) -> bool:
     """True for HF's chunked causal mask function, ``and_masks(chunked_overlay(C, left_padding), causal)``."""
-    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask" or not mask_function.__closure__:
-        return False
-    parts = next((c.cell_contents for c in mask_function.__closure__ if isinstance(c.cell_contents, tuple)), ())
+    parts = _closure_parts(mask_function)
     names = sorted(getattr(p, "__qualname__", "") for p in parts)
     return len(parts) == 2 and causal_mask_function in parts and names[1] == "chunked_overlay.<locals>.inner_mask"
+
+
+def _cells(fn) -> list:
+    return [c.cell_contents for c in (fn.__closure__ or ())]
+
+
+def packed_sequence_ids(mask_function) -> torch.Tensor | None:
+    """The (B, S) sequence ids of a packed-sequence mask function, if ``mask_function`` is transformers' packed form
+    of a plain causal (or sliding-causal) pattern: ``and_masks(remap_positions_for_packed_sequence(causal, pos),
+    packed_sequence_mask_function(ids))``. None for any other function."""
+    parts = _closure_parts(mask_function)
+    if len(parts) != 2:
+        return None
+    by_name = {getattr(p, "__qualname__", ""): p for p in parts}
+    remap = by_name.get("remap_positions_for_packed_sequence.<locals>.inner_mask")
+    packed = by_name.get("packed_sequence_mask_function.<locals>.inner_mask")
+    if remap is None or packed is None:
+        return None
+    inner = next((c for c in _cells(remap) if callable(c)), None)
+    ids = next((c for c in _cells(packed) if isinstance(c, torch.Tensor)), None)
+    if inner is None or ids is None or not _is_plain_causal(inner):
+        return None
+    return ids
+
+
+def packed_from_sequence_ids(ids: torch.Tensor) -> Packed | None:
+    """A :class:`Packed` descriptor from (1, S) sequence ids that are non-decreasing (what
+    ``find_packed_sequence_indices`` gives); None for B > 1 (each row would need its own boundaries)."""
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        return None
+    row = ids[0]
+    starts = torch.nonzero(row[1:] != row[:-1]).flatten().add(1).tolist()
+    cu = tuple([0, *starts, int(row.shape[0])])
+    return Packed(cu, cu)
 
 
 def _left_padding_starts(pad: torch.Tensor) -> torch.Tensor | None:
@@ -176,6 +257,17 @@ def _left_padding_starts(pad: torch.Tensor) -> torch.Tensor | None:
     if pad.shape[-1] > 1 and not bool((pad[:, 1:] >= pad[:, :-1]).all()):
         return None
     return (~pad).sum(-1)
+
+
+def _packed_mask(mask_function, attention_mask, q_offset, q_length: int, kv_length: int) -> Packed | None:
+    """A :class:`Packed` descriptor for transformers' packed-sequence mask (padding-free batches: packed
+    ``position_ids``, no mask, no cache), or None (then the bool mask is built as for any custom pattern)."""
+    if attention_mask is not None or isinstance(q_offset, torch.Tensor) or q_length != kv_length:
+        return None
+    ids = packed_sequence_ids(mask_function)
+    if ids is None or is_tracing(ids):
+        return None
+    return packed_from_sequence_ids(ids)
 
 
 def hf_sparse_attn_mask(
@@ -193,7 +285,8 @@ def hf_sparse_attn_mask(
     """The mask function registered with ``AttentionMaskInterface`` (same call contract as ``sdpa_mask``).
 
     Returns ``None`` for a plain causal (or sliding-causal) pattern without padding whose keys end at the last
-    query, a :class:`LeftPadding` descriptor when the only extra is left padding, else a bool (B,1,Q,K) mask.
+    query, a :class:`LeftPadding` descriptor when the only extra is left padding, a :class:`Packed` descriptor for
+    packed sequences in one row (no O(S²) mask), else a bool (B,1,Q,K) mask.
     """
     aligned = (
         allow_is_causal_skip
@@ -201,6 +294,9 @@ def hf_sparse_attn_mask(
         and kv_offset + kv_length == q_offset + q_length  # keys end at the last query
     )
     plain = aligned and _is_plain_causal(mask_function)
+    packed = _packed_mask(mask_function, attention_mask, q_offset, q_length, kv_length)
+    if packed is not None:
+        return packed
     if aligned and local_size and _is_plain_chunked(mask_function):
         pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if pad is None or (not is_tracing(pad) and bool(pad[:, kv_offset : kv_offset + kv_length].all())):

@@ -27,6 +27,7 @@ import torch
 from hf_sparse_attn.core.cache import shape_cached
 from hf_sparse_attn.core.masks import ChunkedCausal, band_spans, slice_mask
 from hf_sparse_attn.ops.block_sparse.tiles import BflaPlan, block_valid, compact
+from hf_sparse_attn.ops.spans import attend_spans
 
 # Query rows per chunk: ``min(MAX_ROWS, max(MIN_ROWS, W))`` (see the module docstring).
 MAX_ROWS = 128
@@ -42,16 +43,6 @@ def band_saves_work(sq: int, skv: int, window: int) -> bool:
     """True when some chunk can skip keys (otherwise the band path is the full call)."""
     spans = band_spans(sq, skv, window, band_rows(window))
     return len(spans) > 1 or spans[0][2] > 0
-
-
-def _merge_stats(total: dict[str, Any], part: dict[str, Any]) -> None:
-    """Stats of a chunked call: counters (tensors, numbers) are summed over chunks, flags keep the last value."""
-    for key, value in part.items():
-        summable = isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool)
-        if summable and key in total:
-            total[key] = total[key] + value
-        else:
-            total[key] = value
 
 
 def windowed_attention(
@@ -72,31 +63,11 @@ def windowed_attention(
     of :class:`~hf_sparse_attn.methods.base.Method`); it runs on each chunk of ``rows`` queries (default
     :func:`band_rows`) against its key slice, with the chunk's mask (:func:`slice_mask`). ``q (B,Hq,Sq,D)``,
     ``k/v (B,Hkv,Skv,D)``, bottom-right causal, ``mask`` None or :class:`LeftPadding`. The per-chunk stats the
-    method writes on ``layer`` are summed (:func:`_merge_stats`).
+    method writes on ``layer`` are summed (:func:`~hf_sparse_attn.ops.spans.merge_stats`).
     """
-    sq, skv = q.shape[2], k.shape[2]
-    spans = band_spans(sq, skv, sliding_window, rows or band_rows(sliding_window))
-    total: dict[str, Any] = {}
-    outs = []
-    for q0, q1, k0, k1 in spans:
-        if layer is not None:
-            layer.stats = {}
-        outs.append(
-            attend(
-                q[:, :, q0:q1],
-                k[:, :, k0:k1],
-                v[:, :, k0:k1],
-                slice_mask(mask, q0, q1, k0, k1),
-                sliding_window=sliding_window,
-                layer=layer,
-                **kwargs,
-            )
-        )
-        if layer is not None:
-            _merge_stats(total, layer.stats)
-    if layer is not None:
-        layer.stats = total
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    spans = band_spans(q.shape[2], k.shape[2], sliding_window, rows or band_rows(sliding_window))
+    return attend_spans(attend, q, k, v, spans, lambda span: slice_mask(mask, *span),
+                        sliding_window=sliding_window, layer=layer, **kwargs)
 
 
 def band_plan(batch: int, kv_heads: int, sq: int, skv: int, window: int, block_size: int, device, first_valid=None):
@@ -182,14 +153,4 @@ def chunked_attention(
     """Chunked causal attention (Llama 4) computed chunk by chunk: ``attend`` (a method's attention function) runs
     once per chunk of queries against its own chunk's keys, with the plain causal mask ``None``. Exact,
     differentiable; the per-chunk stats are summed. ``q (B,Hq,Sq,D)``, ``k/v (B,Hkv,Skv,D)`` -> ``(B,Hq,Sq,D)``."""
-    total: dict[str, Any] = {}
-    outs = []
-    for q0, q1, k0, k1 in chunk_spans(mask):
-        if layer is not None:
-            layer.stats = {}
-        outs.append(attend(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], None, layer=layer, **kwargs))
-        if layer is not None:
-            _merge_stats(total, layer.stats)
-    if layer is not None:
-        layer.stats = total
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return attend_spans(attend, q, k, v, chunk_spans(mask), layer=layer, **kwargs)
