@@ -200,15 +200,26 @@ def run_method(
 
 def _run_packed(method, config, layer, q, k, v, packed: Packed, **kwargs) -> torch.Tensor:
     """Packed sequences: :func:`run_method` once per sequence (its own dispatch, band, plan), bottom-right causal
-    within the sequence's keys; the layer's stats are summed over the sequences."""
+    within the sequence's keys. The layer's stats are those of the sequence with the most keys (the one whose
+    attention costs most), plus ``sequences``, the number of sequences in the call."""
     if q.shape[0] != 1 or packed.shape[2:] != (q.shape[2], k.shape[2]):
         raise ValueError(f"hf_sparse_attn: packed sequences cover {packed.shape[2]} queries and {packed.shape[3]} "
                          f"keys in one batch row; got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    longest: dict = {"keys": -1, "stats": {}}
 
-    def one_sequence(qs, ks, vs, mask, *, layer):
-        return run_method(method, config, layer, qs, ks, vs, mask, **kwargs)
+    def one_sequence(qs, ks, vs, mask, *, layer=None):  # attend_spans passes layer=None: the stats are kept here
+        if state is not None:
+            state.stats = {}
+        out = run_method(method, config, state, qs, ks, vs, mask, **kwargs)
+        if state is not None and ks.shape[2] > longest["keys"]:
+            longest.update(keys=ks.shape[2], stats=state.stats)
+        return out
 
-    return attend_spans(one_sequence, q, k, v, packed.spans(), layer=layer)
+    state = layer
+    out = attend_spans(one_sequence, q, k, v, packed.spans(), layer=None)
+    if layer is not None:
+        layer.stats = {**longest["stats"], "sequences": packed.num_sequences}
+    return out
 
 
 def _sink_forward(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer, sinks):
