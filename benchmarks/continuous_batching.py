@@ -1,15 +1,16 @@
 """transformers' continuous batching (``generate_batch``) with a patched model, side by side with the unpatched one.
 
-    .venv/bin/python benchmarks/continuous_batching.py --model smollm2 --lengths 1024 2048 3072 4096 5120 6144 7168 8000
+    .venv/bin/python benchmarks/continuous_batching.py --model smollm2 --lengths 8000 7168 6144 5120 4096 3072 2048 1024
 
 Prompts: one passphrase needle in real prose per prompt (:mod:`hf_sparse_attn.testing.prose`; each prompt its own
 passphrase, needle depth and text), chat template, greedy. Configs, one after the other on the same model object:
 
 * ``sdpa`` — the unpatched model (transformers' sdpa continuous batching);
 * ``dense`` — ``patch_model(method="dense", continuous_batching=True)``: must give ``sdpa``'s tokens;
-* ``bfla`` — ``patch_model(method="bfla", continuous_batching=True)`` with its defaults: the long prompts' prefill
-  chunks run sparse; the density of every forward that held a prefill chunk of at least ``min_seq_len`` keys is
-  recorded (the patched layers' mean, from ``PatchHandle.stats()``).
+* ``bfla`` — ``patch_model(method="bfla", continuous_batching=True)`` with its defaults: prefill chunks of at least
+  ``min_seq_len`` queries run sparse (the scheduler serves requests in order and cuts prefills to
+  ``--max-batch-tokens`` per step, so the longest prompts come first); the patched layers' mean density of every
+  forward whose longest sequence ran sparse is recorded (``PatchHandle.stats()``).
 
 Then every prompt alone through ``model.generate`` (dense, patched): continuous batching must give each prompt's
 tokens alone. Reports wall time and generated tokens per second per config, the answers (needle found or not) and
@@ -102,9 +103,9 @@ def _number_option(text: str) -> tuple[str, int | float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3072, 4096, 5120, 6144, 7168, 8000])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8000, 7168, 6144, 5120, 4096, 3072, 2048, 1024])
     ap.add_argument("--new-tokens", type=int, default=24)
-    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--bfla", nargs="*", default=[], type=_number_option, metavar="KEY=NUMBER",
                     help="bfla options (e.g. min_seq_len=1024 keep_mass=0.97)")
     ap.add_argument("--skip-alone", action="store_true", help="do not run each prompt alone")
