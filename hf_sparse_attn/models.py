@@ -49,6 +49,7 @@ from hf_sparse_attn.testing.tiny_configs import (
 __all__ = [
     "TINY_MODEL_TYPES",
     "TINY_ALIASES",
+    "alias_folders",
     "cache_dir",
     "list_models",
     "load",
@@ -307,6 +308,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 # Aliases whose tokenizer lives in another alias's folder.
 _TOKENIZER_FROM = {"qwen2-smollm2": "smollm2"}
+
+
+def alias_folders(name: str) -> tuple[Path, Path] | None:
+    """``(model folder, tokenizer folder)`` of a real-weight alias (``smollm2``, ``gemma3-270m``, ``qwen2-smollm2``),
+    converted into the cache first when absent: ordinary Hugging Face folders that ``from_pretrained`` (or a server)
+    reads offline. None for any other name (the ``tiny-*`` aliases are built in memory and have no folder)."""
+    if name not in _CONVERTERS:
+        return None
+    return _ensure_cached(name), _ensure_cached(_TOKENIZER_FROM.get(name, name))
 
 
 def _load_model(folder: Path, dtype: torch.dtype | None, attn_implementation: str | None):
