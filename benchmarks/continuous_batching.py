@@ -62,7 +62,8 @@ def run_batch(model, prompts, new_tokens: int, max_batch_tokens: int) -> tuple[l
     warm = [{"ids": prompts[0]["ids"][:64], "tokens": 64}]
     model.generate_batch([warm[0]["ids"]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
                          continuous_batching_config=cb_config(warm, 2, max_batch_tokens))
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    eos = model.generation_config.eos_token_id  # both runs stop at the model's end of turn, as generate does
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
     t0 = time.perf_counter()
     out = model.generate_batch([p["ids"] for p in prompts], generation_config=gen,
                                continuous_batching_config=cb_config(prompts, new_tokens, max_batch_tokens))

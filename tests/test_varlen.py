@@ -281,3 +281,26 @@ def test_continuous_batching_equals_each_prompt_alone(method, monkeypatch):
     assert got == _generate_alone(model, prompts)
     if method == "dense":
         assert got == unpatched
+
+
+def test_packed_descriptor_keeps_a_query_suffix():
+    """Gemma 4 slices masks to the last queries (``mask[:, :, -n:, :]``): each sequence keeps its last queries."""
+    packed = Packed(_cu(LENGTHS), _cu(LENGTHS))
+    cut = packed[:, :, -70:, :]
+    assert cut.shape == (1, 1, 70, sum(LENGTHS))
+    full = packed.bool_mask(True, None, "cpu")
+    assert torch.equal(cut.bool_mask(True, None, "cpu"), full[:, :, -70:, :])
+    assert packed[:, :, 0:, :] == packed
+    with pytest.raises(TypeError, match="suffix"):
+        packed[:, :, :10, :]
+
+
+def test_gemma4_packed_forward_equals_each_sequence_alone():
+    model = tiny_model("gemma4_text")
+    patch_model(model, method="dense")
+    lengths = (5, 7)
+    ids, pos = _packed_inputs(lengths)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        alone = _per_sequence_logits(model, ids, lengths)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)

@@ -47,16 +47,24 @@ class LeftPadding:
 
     def __getitem__(self, index) -> LeftPadding:
         """Support the 4-D query slicing models apply to masks (``mask[:, :, -n:, :]``)."""
-        if not isinstance(index, tuple) or len(index) != 4:
-            raise TypeError(f"LeftPadding supports 4-D indexing mask[:, :, q_slice, :], got {index!r}")
-        full = slice(None)
-        b, h, q, k = index
-        if b != full or h != full or k != full or not isinstance(q, slice) or q.step not in (None, 1):
-            raise TypeError(f"LeftPadding supports only query slicing mask[:, :, q_slice, :], got {index!r}")
-        start, stop, _ = q.indices(self.q_len)
-        if stop != self.q_len:
-            raise TypeError("LeftPadding can only keep a suffix of the queries (bottom-right alignment)")
+        start = _query_suffix_start(self, index, self.q_len)
         return LeftPadding(self.first_valid, self.q_len - start, self.kv_len)
+
+
+def _query_suffix_start(mask, index, q_len: int) -> int:
+    """The first kept query of ``mask[:, :, q0:, :]`` (Gemma 4 slices masks so); ``TypeError`` for any other index:
+    a descriptor keeps the bottom-right alignment only for a suffix of the queries."""
+    name = type(mask).__name__
+    if not isinstance(index, tuple) or len(index) != 4:
+        raise TypeError(f"{name} supports 4-D indexing mask[:, :, q_slice, :], got {index!r}")
+    full = slice(None)
+    b, h, q, k = index
+    if b != full or h != full or k != full or not isinstance(q, slice) or q.step not in (None, 1):
+        raise TypeError(f"{name} supports only query slicing mask[:, :, q_slice, :], got {index!r}")
+    start, stop, _ = q.indices(q_len)
+    if stop != q_len:
+        raise TypeError(f"{name} can only keep a suffix of the queries (bottom-right alignment)")
+    return start
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,13 @@ class Packed:
     def spans(self) -> list[tuple[int, int, int, int]]:
         """``(q0, q1, k0, k1)`` of every sequence."""
         return [(self.cu_q[i], self.cu_q[i + 1], self.cu_k[i], self.cu_k[i + 1]) for i in range(self.num_sequences)]
+
+    def __getitem__(self, index) -> Packed:
+        """``mask[:, :, q0:, :]``: the last queries of the packed row; each sequence keeps its last queries and all
+        its keys (still bottom-right aligned)."""
+        start = _query_suffix_start(self, index, self.cu_q[-1])
+        cu_q = tuple(max(c, start) - start for c in self.cu_q)
+        return Packed(cu_q, self.cu_k)
 
     def bool_mask(self, causal: bool, sliding_window: int | None, device: torch.device | str) -> torch.Tensor:
         """The same pattern as a bool (1, 1, Sq, Skv) mask (block diagonal; for references and tests)."""

@@ -17,7 +17,8 @@ machine without a GPU starts N processes, and the script then asks accelerate fo
 Layout of this package (each part reads alone):
 
 * :mod:`.options`: the command line (:func:`build_parser`), ``--method-config`` parsing, option checks;
-* :mod:`.data`: training / held-out chunks (text files, ``--synthetic-retrieval``), batching;
+* :mod:`.data`: training / held-out chunks (text files, ``--synthetic-retrieval``), padded batching;
+* :mod:`.packing`: padding-free micro-batches (``--packing``) and the check that the model keeps them apart;
 * :mod:`.params`: LoRA wrapping, trainable parameters and optimizer groups, α annealing and read-out;
 * :mod:`.loop`: :func:`run` (set-up order, optimizer steps, time budget) and :func:`main`;
 * :mod:`.evaluation`: held-out loss / perplexity;
@@ -32,13 +33,16 @@ attention modules), build the optimizer over the trainable parameters, and only 
 model's own modules and parameter names are unchanged, so FSDP auto-wrap (``_no_split_modules``) and PEFT target
 selection are unaffected.
 
-Data (token chunks of exactly ``--seq-len`` tokens; every process builds the same list, seeded):
+Data (token sequences of at most ``--seq-len`` tokens, stored right-padded; every process builds the same list,
+seeded):
 
 * ``--train-file`` / ``--eval-file``: local ``.txt`` files (one document per file) or ``.json``/``.jsonl``
   files (one document per row, field ``--text-field``; rows with RULER's ``input``/``answers`` fields are
   rendered as prompt + answers), read with ``datasets``' ``text``/``json`` loaders; globs accepted. Documents
-  are tokenized, joined with the EOS token and cut into chunks. Without ``--eval-file`` the last
-  ``--eval-fraction`` of the chunks is held out. Models without a tokenizer (the ``tiny-*`` test models) read
+  are tokenized, joined with the EOS token and cut into chunks of exactly ``--seq-len`` tokens
+  (``--text-sequences chunks``, the default), or each document (+ EOS) is one sequence truncated to ``--seq-len``
+  (``--text-sequences documents``: mixed lengths, the padding not scored). Without ``--eval-file`` the last
+  ``--eval-fraction`` of the sequences is held out. Models without a tokenizer (the ``tiny-*`` test models) read
   text as UTF-8 bytes, each byte id clipped to ``vocab_size - 1``.
 * ``--synthetic-retrieval``: a built-in long-context retrieval set. With a tokenizer: RULER samples from
   :func:`hf_sparse_attn.eval.ruler.generate_samples` (tasks ``--synthetic-tasks``; prompt + gold answers +
@@ -62,6 +66,15 @@ Training: AdamW (method parameters in their own group, ``--method-lr``, no weigh
 ``constant``/``cosine``/``linear`` schedule with ``--warmup-steps``, ``--grad-accum`` micro-batches per
 optimizer step (gradient sync only on the last one), gradient clipping, ``--gradient-checkpointing`` (non
 re-entrant; the attention methods are deterministic, so the recomputation equals the forward).
+A padded micro-batch is cut to its longest sequence. ``--packing`` makes it padding-free instead
+(:mod:`.packing`): its sequences are concatenated into one row, ``position_ids`` restart at 0 per sequence, the
+first token of each sequence is not a target, and ``cu_seq_lens_q/k`` + ``max_length_q/k`` go to the model (what
+``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives); the attention runs one call per
+sequence under every method. The loss is the padded batch's (the model's mean over the scored tokens: the same
+tokens, the same predictions), and the held-out batches are packed too. It saves the padding of sequences of
+mixed lengths (``--text-sequences documents``, RULER samples). Models whose layers are not all attention
+(recurrent, convolutional, linear attention, chunked attention) are refused, and a small packed forward is checked
+against the same sequences run one by one before training. Each step logs its real (non-padding) ``tokens``.
 Entmax: ``--alpha-anneal-steps N`` moves α linearly from 1.01 to the method's target (``alpha``, 1.5 by
 default) over the first N optimizer steps (``entmax.alpha_schedule`` + ``hf_sparse_attn.api.set_alpha``), so a
 softmax-pretrained model is converted gradually instead of having its attention truncated at once.

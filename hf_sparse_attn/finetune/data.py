@@ -1,9 +1,12 @@
-"""Training and held-out data of ``hf-sparse-attn finetune``: fixed-length token chunks with labels.
+"""Training and held-out data of ``hf-sparse-attn finetune``: token sequences of at most ``--seq-len`` tokens with
+labels, stored right-padded to ``--seq-len``.
 
 Every process builds the same lists (seeded), so data needs no broadcast. Sources:
 
 * text (``--train-file`` / ``--eval-file``): local ``.txt`` (one document per file) or ``.json``/``.jsonl`` (one
-  document per row) read with ``datasets``; documents are tokenized, joined with EOS and cut into chunks.
+  document per row) read with ``datasets``; documents are tokenized, joined with EOS and cut into chunks
+  (``--text-sequences chunks``), or one sequence per document, truncated to ``--seq-len`` and padded
+  (``--text-sequences documents``: sequences of mixed lengths).
   Tokenizer-less test models (``tiny-*``) read UTF-8 bytes, each id clipped to ``vocab_size - 1``.
 * ``--synthetic-retrieval``: RULER samples (prompt + gold answers + EOS, right-padded, padding not scored) with a
   tokenizer; random-token retrieval sequences (:func:`random_retrieval_samples`) without one.
@@ -49,10 +52,17 @@ _FIRST_CONTENT = 5
 
 @dataclass
 class Chunk:
-    """One training/eval sequence: ``input_ids`` (seq_len,) and ``labels`` (seq_len,; -100 = not scored)."""
+    """One training/eval sequence: ``input_ids`` (seq_len,) and ``labels`` (seq_len,; -100 = not scored).
+    ``length``: the number of real tokens, the rest being right padding (None: all ``seq_len`` tokens are real)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
+    length: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens: a packed batch keeps these only."""
+        return int(self.input_ids.shape[0]) if self.length is None else self.length
 
 
 def random_retrieval_samples(
@@ -162,9 +172,25 @@ def _encode(text: str, tokenizer, vocab_size: int) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _chunk_documents(docs: list[str], tokenizer, model, seq_len: int) -> list[Chunk]:
+def _chunk_documents(docs: list[str], tokenizer, model, seq_len: int, layout: str = "chunks") -> list[Chunk]:
+    """Text documents as training sequences: ``layout="chunks"``: joined with EOS and cut into ``seq_len`` chunks
+    (the tail shorter than ``seq_len`` dropped); ``"documents"``: one sequence per document (its tokens + EOS,
+    truncated to ``seq_len``, right-padded with the padding not scored; documents under 2 tokens dropped)."""
     vocab = model.config.get_text_config().vocab_size
     eos = _eos_id(tokenizer, model)
+    if layout == "documents":
+        pad = _pad_id(tokenizer, model)
+        out = []
+        for doc in docs:
+            ids = (_encode(doc, tokenizer, vocab) + [eos])[:seq_len]
+            if len(ids) < 2:
+                continue
+            n = len(ids)
+            ids_t = torch.tensor(ids + [pad] * (seq_len - n), dtype=torch.long)
+            labels = ids_t.clone()
+            labels[n:] = _IGNORE
+            out.append(Chunk(ids_t, labels, n))
+        return out
     stream: list[int] = []
     for doc in docs:
         stream += _encode(doc, tokenizer, vocab) + [eos]
@@ -230,7 +256,7 @@ def _ruler_chunk(sample: dict, tokenizer, eos: int, pad: int, args: argparse.Nam
     labels[n:] = _IGNORE
     if args.loss_on == "answer":
         labels[:n][~torch.tensor(scored)] = _IGNORE
-    return Chunk(ids_t, labels)
+    return Chunk(ids_t, labels, n)
 
 
 # Training RULER samples per essay rotation: the answer needle depths are spread evenly inside a group
@@ -327,15 +353,17 @@ def _text_sets(args, tokenizer, model, split: EssaySplit | None) -> tuple[list[C
         train_docs = _read_documents(args.train_file, args.text_field)
         held_docs = None
     check_heldout_essays(train_docs, split)
-    train = _chunk_documents(train_docs, tokenizer, model, args.seq_len)
+    layout = args.text_sequences
+    train = _chunk_documents(train_docs, tokenizer, model, args.seq_len, layout)
     if args.eval_file:
-        held = _chunk_documents(_read_documents(args.eval_file, args.text_field), tokenizer, model, args.seq_len)
-    elif held_docs is not None:
-        held = _chunk_documents(held_docs, tokenizer, model, args.seq_len)
+        held_docs = _read_documents(args.eval_file, args.text_field)
+    if held_docs is not None:
+        held = _chunk_documents(held_docs, tokenizer, model, args.seq_len, layout)
     else:
         n_eval = max(1, int(round(len(train) * args.eval_fraction)))
         if len(train) - n_eval < 1:
-            raise ValueError(f"the training text gives only {len(train)} chunks of {args.seq_len} tokens")
+            raise ValueError(f"the training text gives only {len(train)} sequences ({layout} of at most "
+                             f"{args.seq_len} tokens)")
         train, held = train[:-n_eval], train[-n_eval:]
     if not train or not held:
         raise ValueError(
@@ -392,9 +420,11 @@ def build_data(args: argparse.Namespace, tokenizer, model) -> tuple[list[Chunk],
 
 
 def stack(chunks: list[Chunk], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro-batch on ``device``: ``(input_ids, labels)``, both (len(chunks), seq_len)."""
-    ids = torch.stack([c.input_ids for c in chunks]).to(device)
-    labels = torch.stack([c.labels for c in chunks]).to(device)
+    """A padded micro-batch on ``device``: ``(input_ids, labels)``, both (len(chunks), L) with L the longest
+    sequence's real length (right padding beyond every sequence's end is cut; the rest is not scored)."""
+    width = max(c.num_tokens for c in chunks)
+    ids = torch.stack([c.input_ids[:width] for c in chunks]).to(device)
+    labels = torch.stack([c.labels[:width] for c in chunks]).to(device)
     return ids, labels
 
 

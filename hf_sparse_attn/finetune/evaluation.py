@@ -9,15 +9,19 @@ import torch
 import torch.nn.functional as F
 
 from hf_sparse_attn.finetune.data import IGNORE_INDEX, Chunk, stack
+from hf_sparse_attn.finetune.packing import pack
 
 __all__ = ["evaluate"]
 
 
 @torch.no_grad()
-def evaluate(model, chunks: list[Chunk], accelerator, batch_size: int, even: bool = False) -> dict[str, float]:
+def evaluate(model, chunks: list[Chunk], accelerator, batch_size: int, even: bool = False,
+             packing: bool = False) -> dict[str, float]:
     """Held-out loss (mean NLL per scored token) and perplexity; items sharded round-robin over processes
     and the sums reduced, so the result does not depend on the number of processes. ``even``: every process
-    runs the same number of forwards (FSDP's forward is collective), padding with unscored repeats."""
+    runs the same number of forwards (FSDP's forward is collective), padding with unscored repeats.
+    ``packing``: each batch is one padding-free row (:func:`~hf_sparse_attn.finetune.packing.pack`); the same
+    tokens are scored."""
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
@@ -29,8 +33,13 @@ def evaluate(model, chunks: list[Chunk], accelerator, batch_size: int, even: boo
     for b in range(n_batches):
         batch = mine[b * batch_size : (b + 1) * batch_size]
         scored = bool(batch)
-        ids, labels = stack(batch or chunks[:1], accelerator.device)
-        logits = model(input_ids=ids, use_cache=False).logits
+        if packing:
+            inputs = pack(batch or chunks[:1], accelerator.device)
+            labels = inputs.pop("labels")
+            logits = model(**inputs, use_cache=False).logits
+        else:
+            ids, labels = stack(batch or chunks[:1], accelerator.device)
+            logits = model(input_ids=ids, use_cache=False).logits
         if not scored:
             continue
         targets = labels[:, 1:]

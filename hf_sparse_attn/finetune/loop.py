@@ -25,6 +25,7 @@ from hf_sparse_attn.finetune.data import Chunk, batch_indices, build_datasets, s
 from hf_sparse_attn.finetune.evaluation import evaluate
 from hf_sparse_attn.finetune.io import save_model, write_run_files
 from hf_sparse_attn.finetune.options import build_parser, parse_method_config, validate
+from hf_sparse_attn.finetune.packing import check_packable, pack
 from hf_sparse_attn.finetune.params import (
     alpha_summary,
     alpha_values,
@@ -77,10 +78,13 @@ class _Session:
     def evaluate_all(self, model, when: str, even: bool = False) -> None:
         """``metrics["eval_<when>"]`` on the held-out set and, when training mixes retrieval with text,
         ``metrics["eval_retrieval_<when>"]`` on the held-out retrieval samples."""
-        self.metrics[f"eval_{when}"] = evaluate(model, self.held, self.accelerator, self.eval_batch_size, even=even)
+        packing = self.args.packing
+        self.metrics[f"eval_{when}"] = evaluate(model, self.held, self.accelerator, self.eval_batch_size, even=even,
+                                                packing=packing)
         msg = f"held-out loss {self.metrics[f'eval_{when}']['loss']:.4f} ppl {self.metrics[f'eval_{when}']['ppl']:.3f}"
         if self.held_retrieval:
-            r = evaluate(model, self.held_retrieval, self.accelerator, self.eval_batch_size, even=even)
+            r = evaluate(model, self.held_retrieval, self.accelerator, self.eval_batch_size, even=even,
+                         packing=packing)
             self.metrics[f"eval_retrieval_{when}"] = r
             msg += f"; held-out retrieval loss {r['loss']:.4f} ppl {r['ppl']:.3f}"
         self.log(f"{when}: {msg}")
@@ -116,8 +120,11 @@ def _load_model_and_data(s: _Session) -> None:
     mixed = (f" ({data.info['train_retrieval']} retrieval + {data.info['train_text']} text)"
              if s.held_retrieval else "")
     extra = f" + {len(s.held_retrieval)} held-out retrieval" if s.held_retrieval else ""
-    s.log(f"{len(s.train)} training{mixed} and {len(s.held)} held-out{extra} sequences of {args.seq_len} tokens; "
-          f"{accelerator.num_processes} process(es) on {accelerator.device}")
+    real = sum(c.num_tokens for c in s.train)
+    s.log(f"{len(s.train)} training{mixed} and {len(s.held)} held-out{extra} sequences of at most {args.seq_len} "
+          f"tokens ({real / max(1, len(s.train)) / args.seq_len:.0%} of them real tokens, the rest padding); "
+          f"{accelerator.num_processes} process(es) on {accelerator.device}"
+          + ("; packed micro-batches (--packing)" if args.packing else ""))
     if "essays" in data.info and data.info["essays"]["heldout"]:
         s.log(f"held-out essays (eval haystack up to {args.heldout_length} tokens): "
               f"{', '.join(data.info['essays']['heldout'])}")
@@ -142,6 +149,8 @@ def _patch_and_prepare(s: _Session, method_config: dict[str, Any]) -> None:
         s.model = wrap_lora(s.model, args)
     # Patch after the LoRA wrap (so peft does not freeze the method parameters) and before prepare().
     s.handle = patch_model(s.model, method=args.method, layers=args.layers, **method_config)
+    if args.packing:
+        check_packable(s.model)
     if args.freeze_base:
         freeze_base(s.model)
     groups = param_groups(s.model, args)
@@ -172,18 +181,25 @@ def _patch_and_prepare(s: _Session, method_config: dict[str, Any]) -> None:
 
 def _optimizer_step(s: _Session, step: int, schedule: list[list[int]]) -> dict[str, Any]:
     """One optimizer step over ``--grad-accum`` micro-batches (gradient sync on the last one only); returns the
-    step's log entry (mean loss over processes, lr, grad norm, seconds)."""
+    step's log entry (mean loss over processes, lr, grad norm, real tokens, seconds)."""
     args, accelerator, model = s.args, s.accelerator, s.model
     t0 = time.perf_counter()
     rank = accelerator.process_index
     step_loss = torch.zeros((), device=accelerator.device)
+    tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     for micro in range(args.grad_accum):
         idx = schedule[step * args.grad_accum + micro][rank * args.batch_size : (rank + 1) * args.batch_size]
-        ids, labels = stack([s.train[i] for i in idx], accelerator.device)
+        chunks = [s.train[i] for i in idx]
+        if args.packing:  # one row, no padding; the loss is the same mean over the scored tokens
+            inputs = pack(chunks, accelerator.device)
+        else:
+            ids, labels = stack(chunks, accelerator.device)
+            inputs = {"input_ids": ids, "labels": labels}
+        tokens += sum(c.num_tokens for c in chunks)
         last = micro == args.grad_accum - 1
         ctx = accelerator.no_sync(model) if not last else contextlib.nullcontext()
         with ctx:
-            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            loss = model(**inputs, use_cache=False).loss
             accelerator.backward(loss / args.grad_accum)
         step_loss += loss.detach() / args.grad_accum
     grad_norm = None
@@ -198,6 +214,7 @@ def _optimizer_step(s: _Session, step: int, schedule: list[list[int]]) -> dict[s
         "loss": float(accelerator.reduce(step_loss, reduction="mean")),
         "lr": lr_used,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens": int(accelerator.reduce(tokens, reduction="sum")),  # real (non-padding) tokens, all processes
         "seconds": time.perf_counter() - t0,
     }
 

@@ -7,9 +7,10 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["ALPHA_START", "build_parser", "parse_method_config", "validate"]
+__all__ = ["ALPHA_START", "TEXT_SEQUENCES", "build_parser", "parse_method_config", "validate"]
 
 ALPHA_START = 1.01  # --alpha-anneal-steps: α at optimizer step 0 (close to softmax)
+TEXT_SEQUENCES = ("chunks", "documents")  # --text-sequences choices
 
 
 def _value(text: str) -> Any:
@@ -33,15 +34,19 @@ def parse_method_config(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _layers_arg(text: str | None):
+def layers_arg(text: str | None) -> str | list[int] | None:
+    """A ``--layers`` value: ``all``, ``eligible`` or comma-separated layer indices (``0,2,5``)."""
     if text is None or text in ("all", "eligible"):
         return text
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        indices = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
+        indices = []
+    if not indices:
         raise argparse.ArgumentTypeError(
-            f"--layers {text!r}: expected 'all', 'eligible' or comma-separated layer indices"
-        ) from None
+            f"--layers {text!r} is not allowed; allowed: 'all', 'eligible' or comma-separated layer indices (0,2,5)"
+        )
+    return indices
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +71,7 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--method", default="entmax", help="attention method (hf_sparse_attn.list_methods())")
     g.add_argument("--method-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="method config, values parsed as JSON/Python literals (e.g. alpha=1.5 learn_alpha=true)")
-    g.add_argument("--layers", type=_layers_arg, default=None,
+    g.add_argument("--layers", type=layers_arg, default=None,
                    help="'all', 'eligible' or comma-separated layer indices (default: the method's default)")
     g.add_argument("--learn-alpha", action="store_true", help="learn α per head (entmax: learn_alpha=True)")
     g.add_argument("--alpha-anneal-steps", type=int, default=0,
@@ -98,13 +103,22 @@ def _data_args(g: argparse._ArgumentGroup) -> None:
                    help="held-out sequences (synthetic samples; cap on held-out chunks for files)")
     g.add_argument("--loss-on", default="all", choices=["all", "answer"],
                    help="tokens scored by the loss and the held-out perplexity (answer: synthetic data only)")
-    g.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
+    g.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (at most)")
+    g.add_argument("--text-sequences", default="chunks", choices=TEXT_SEQUENCES,
+                   help="text (--train-file / --eval-file / --text-essays) as training sequences: 'chunks': "
+                        "documents joined with EOS and cut into --seq-len chunks (all the same length); "
+                        "'documents': one sequence per document, truncated to --seq-len (mixed lengths: padded "
+                        "batches carry padding, --packing drops it)")
 
 
 def _optimisation_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--steps", type=int, default=100, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=1, help="sequences per process per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--packing", action="store_true",
+                   help="padding-free micro-batches: the --batch-size sequences are concatenated into one row "
+                        "without padding (position_ids restart per sequence, cu_seq_lens_q/k passed to the model; "
+                        "the loss is the same mean over the micro-batch's scored tokens); held-out batches too")
     g.add_argument("--lr", type=float, default=2e-5, help="learning rate of the model weights / LoRA adapters")
     g.add_argument("--method-lr", type=float, default=None,
                    help="learning rate of the method parameters α/θ (default: --lr; learned α usually wants more)")
@@ -165,3 +179,8 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--retrieval-fraction must be in (0, 1], got {args.retrieval_fraction}")
     if args.lora and args.freeze_base:
         raise ValueError("--lora already freezes the base weights; drop --freeze-base")
+    if args.text_sequences not in TEXT_SEQUENCES:
+        raise ValueError(f"--text-sequences must be one of {', '.join(TEXT_SEQUENCES)}, got {args.text_sequences!r}")
+    if args.text_sequences == "documents" and not (args.train_file or args.text_essays):
+        raise ValueError("--text-sequences documents makes one sequence per text document: it needs text "
+                         "(--train-file or --text-essays); --synthetic-retrieval samples are already one per sequence")

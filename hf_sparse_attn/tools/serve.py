@@ -32,21 +32,6 @@ _REFUSED = {"attn_implementation": "the attention implementation is set by --met
 _PASS_PREFIX = "serve__"
 
 
-def _layers(text: str) -> str | list[int]:
-    """``--layers`` value: ``all``, ``eligible`` or comma-separated layer indices."""
-    if text in ("all", "eligible"):
-        return text
-    try:
-        indices = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        indices = []
-    if not indices:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not allowed; allowed: 'all', 'eligible' or comma-separated layer indices (0,2,5)"
-        )
-    return indices
-
-
 def _serve_options() -> list[tuple[str, Any, str]]:
     """``(name, type, help)`` of each parameter of transformers' ``Serve`` command (``transformers serve``), read from
     its signature: ``Annotated[type, typer.Option(help=...)]``, ``X | None`` read as ``X``."""
@@ -71,6 +56,8 @@ def _serve_options() -> list[tuple[str, Any, str]]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-sparse-attn serve`` parser: this command's options, then those of ``transformers serve`` that pass
     through (read from its signature, so they follow the installed transformers)."""
+    from hf_sparse_attn.finetune.options import layers_arg
+
     p = argparse.ArgumentParser(
         prog="hf-sparse-attn serve",
         description="transformers serve (an OpenAI-compatible server) with each model patched by a sparse-attention "
@@ -85,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="bfla", help="attention method (hf_sparse_attn.list_methods()); default bfla")
     g.add_argument("--method-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="method options, values parsed as JSON/Python literals (e.g. keep_mass=0.9 min_seq_len=0)")
-    g.add_argument("--layers", type=_layers, default=None,
+    g.add_argument("--layers", type=layers_arg, default=None,
                    help="'all', 'eligible' or comma-separated layer indices (default: the method's default)")
     g.add_argument("--from-pretrained", default=None, metavar="DIR",
                    help="a PatchHandle.save folder whose learned parameters (α, δ/β, s, ...) are loaded")

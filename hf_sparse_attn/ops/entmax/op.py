@@ -51,11 +51,13 @@ def entmax_fwd(
 
     ``alpha`` (Hq,) per-head α; ``mode`` 1 / 2 promise α = 1.5 / 2 everywhere (closed forms), 0 general.
     ``n_valid`` (B|1, Sq): keys each row may see; ``first_valid`` (B,) left padding; ``mask`` (B|1,1,Sq,Skv) bool.
-    ``window`` 0 = none. τ is stored in absolute scaled units ((α-1)·logit).
+    ``window`` 0 = none. τ is stored in absolute scaled units ((α-1)·logit). The op computes in its own precision:
+    CPU autocast is off inside it (its sparse CSR product has no bfloat16 kernel).
     """
-    return blockwise_forward(
-        q, k, v, alpha, n_valid, first_valid, mask, scale, softcap, window, causal, mode, want_stats, keep_support
-    )
+    with torch.autocast("cpu", enabled=False):
+        return blockwise_forward(
+            q, k, v, alpha, n_valid, first_valid, mask, scale, softcap, window, causal, mode, want_stats, keep_support
+        )
 
 
 def _support_shape(q: torch.Tensor, keep_support: bool) -> tuple[int, ...]:
@@ -100,9 +102,10 @@ def entmax_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`entmax_fwd`: (dq, dk, dv, dalpha (Hq,)), recomputing p from the stored τ over the rows'
     support keys ``support`` where the forward kept them, else over the non-zero tiles of ``tiles`` only — or, where
-    most rows keep more keys than their lists hold, over dense row chunks."""
-    return _backward_cpu(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window, causal,
-                         mode, need_dalpha, support)
+    most rows keep more keys than their lists hold, over dense row chunks. CPU autocast is off inside."""
+    with torch.autocast("cpu", enabled=False):
+        return _backward_cpu(dout, q, k, v, alpha, tau, norm, tiles, first_valid, mask, scale, softcap, window,
+                             causal, mode, need_dalpha, support)
 
 
 @entmax_bwd.register_fake

@@ -699,3 +699,17 @@ def test_entmax_rows_equals_entmax_with_ties_masks_and_empty_rows(alpha, dtype):
             got = entmax_rows(z, alpha, mask)
             torch.testing.assert_close(got, entmax(z, alpha, mask), atol=2e-6, rtol=0)
     assert (got[:5] == 0).all() and (got[5:10, 3] == 1).all()
+
+
+@pytest.mark.parametrize("length", [40, 200])
+def test_cpu_autocast_bf16_forward_backward(length):
+    """Under CPU autocast (bf16 mixed precision, e.g. a Trainer with bf16=True) the op computes in its own precision:
+    short rows take the support-list path, whose sparse CSR product has no bf16 kernel."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, length, 64, generator=g).requires_grad_() for h in (9, 3, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sparse_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), method="entmax", alpha=1.5)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref = sparse_attention(*(t.to(torch.bfloat16).float() for t in (q, k, v)), method="entmax", alpha=1.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert all(torch.isfinite(gr).all() for gr in grads)
