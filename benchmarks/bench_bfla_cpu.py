@@ -15,6 +15,13 @@ Usage::
     .venv/bin/python benchmarks/bench_bfla_cpu.py capture --model smollm2 --length 8192
     .venv/bin/python benchmarks/bench_bfla_cpu.py oracle  --model smollm2 --length 8192
     .venv/bin/python benchmarks/bench_bfla_cpu.py speed   --model smollm2 --length 8192 --layers 5,15,25
+    .venv/bin/python benchmarks/bench_bfla_cpu.py cover   --model gemma3-270m --length 32768 \
+        --prefixes 8192,16384,24576,32768 --levels 0.95,0.97,0.98,0.99
+
+``cover``: bfla's real plan (default options, rescues included; ``min_seq_len`` 0) at each prefix of the capture and
+each ``keep_mass`` level, against the oracle: per layer the density and the true softmax mass the plan keeps per
+(query head, query block) — its mean, 1st percentile and minimum — to see whether what the plan drops grows with
+the length.
 
 Times are the median of ``--reps`` runs, dense and bfla measured alternately in one process (ratios only).
 """
@@ -166,6 +173,33 @@ def _worst_head_cover(exact: torch.Tensor, sel: torch.Tensor, kv_heads: int) -> 
     return float((exact * union_per_query_head(sel, kv_heads)).sum(-1).mean(-1).min())
 
 
+def cover(model_name: str, length: int, prefixes: list[int], levels: list[float], layers, block_size: int) -> None:
+    """Per prefix, layer and ``keep_mass`` level: the plan's density and the true mass it keeps per (query head,
+    query block): mean / 1st percentile / minimum (the last query block is excluded: bfla keeps it dense)."""
+    from hf_sparse_attn.methods import bfla
+    from hf_sparse_attn.ops.block_sparse.tiles import plan_keep
+
+    print(f"# {model_name}: bfla's plan (defaults, block {block_size}) vs the oracle; kept mass per (query head, "
+          "query block)")
+    print("prefix  layer  level  density  mean    p1      min")
+    for n in prefixes:
+        data = load_capture(model_name, length, n)
+        for i, (q, k, _v, scale, softcap) in data.items():
+            if layers and i not in layers:
+                continue
+            exact = bfla.exact_block_mass(q, k, scale=scale, softcap=softcap, block_size=block_size)
+            for level in levels:
+                cfg = bfla.BflaConfig(block_size=block_size, keep_mass=level, min_seq_len=0)
+                plan = bfla.make_plan(q, k, scale=scale, softcap=softcap, config=cfg)
+                keep = plan_keep(plan)
+                keep = keep.repeat_interleave(q.shape[1] // keep.shape[1], dim=1)  # per query head
+                kept = (exact * keep).sum(-1)[..., :-1].flatten()
+                dens = float(bfla.plan_density(plan))
+                p1 = float(torch.quantile(kept, 0.01))
+                print(f"{n:6d}  {i:5d}  {level:5.3f}  {dens:7.3f}  {float(kept.mean()):6.4f}  {p1:6.4f}  "
+                      f"{float(kept.min()):6.4f}", flush=True)
+
+
 def _bench_layer(q, k, v, scale, softcap, cfg, reps):
     """(dense, estimate, sparse, estimate+sparse) median seconds and the density, for one layer's q/k/v."""
     import torch.nn.functional as F
@@ -238,7 +272,9 @@ def _parse_overrides(items):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["capture", "oracle", "speed"])
+    ap.add_argument("mode", choices=["capture", "oracle", "speed", "cover"])
+    ap.add_argument("--prefixes", default=None, help="cover mode: comma-separated prefix lengths of the capture")
+    ap.add_argument("--levels", default="0.95,0.97,0.98,0.99", help="cover mode: keep_mass levels")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--length", type=int, default=8192, help="captured length")
     ap.add_argument("--prefix", type=int, default=None, help="use the first N tokens of the capture")
@@ -255,6 +291,9 @@ def main(argv=None) -> int:
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     if args.mode == "capture":
         capture(args.model, args.length)
+    elif args.mode == "cover":
+        prefixes = [int(x) for x in args.prefixes.split(",")] if args.prefixes else [args.length]
+        cover(args.model, args.length, prefixes, [float(x) for x in args.levels.split(",")], layers, args.block_size)
     elif args.mode == "oracle":
         oracle(args.model, args.length, args.prefix, args.block_size, args.keep_mass, args.estimators.split(","))
     else:
