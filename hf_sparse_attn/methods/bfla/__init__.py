@@ -17,6 +17,7 @@ from hf_sparse_attn.methods.bfla.config import (
     MIN_SEQ_LEN,
     BflaConfig,
     dense_density,
+    keep_mass_at,
     lists_per_query_head,
     min_seq_len,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "estimate_block_mass",
     "exact_block_mass",
     "flat_heads",
+    "keep_mass_at",
     "layer_stats",
     "lists_per_query_head",
     "make_plan",

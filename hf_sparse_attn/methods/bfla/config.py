@@ -24,6 +24,9 @@ class BflaConfig(MethodConfig):
     * ``block_size`` (128): edge of the tiles the estimate, the lists and the kernels share (16 ... 256).
     * ``keep_mass`` (0.95): estimated softmax mass each query block keeps, per query head; a float, or a tuple with
       one value per query head (what a calibrated profile gives a layer).
+    * ``keep_mass_ref_len`` (None): a call with more keys than this keeps more mass: the dropped share
+      ``1 - keep_mass`` shrinks as ``keep_mass_ref_len / Skv`` (:func:`keep_mass_at`); None: ``keep_mass`` at every
+      length.
     * ``min_blocks`` (1) / ``max_density`` (1.0): at least / at most this many estimated-top key blocks (share of
       the row's causal blocks) per query block; rescues come on top.
     * Rescues, each switchable off: ``sink`` (1; leading key blocks, 0 = off), ``local`` (1; key blocks overlapping
@@ -49,6 +52,7 @@ class BflaConfig(MethodConfig):
 
     block_size: int = 128
     keep_mass: float | tuple[float, ...] = 0.95
+    keep_mass_ref_len: int | None = None
     min_blocks: int = 1
     max_density: float = 1.0
     sink: int = 1
@@ -72,6 +76,8 @@ class BflaConfig(MethodConfig):
             self.keep_mass = tuple(float(x) for x in self.keep_mass)
         else:
             check_range("keep_mass", self.keep_mass, 0.0, 1.0, low_open=True)
+        if self.keep_mass_ref_len is not None:
+            check_int("keep_mass_ref_len", self.keep_mass_ref_len, 1, _BIG)
         check_int("min_blocks", self.min_blocks, 0, _BIG)
         check_range("max_density", self.max_density, 0.0, 1.0, low_open=True)
         check_int("sink", self.sink, 0, _BIG)
@@ -122,6 +128,18 @@ def dense_density(config: BflaConfig, device: torch.device) -> float:
     """The selected density above which a planned layer runs the exact dense path on ``device``:
     ``config.dense_density``, or the device's default (:data:`DENSE_DENSITY`)."""
     return _device_default(config.dense_density, DENSE_DENSITY, device)
+
+
+def keep_mass_at(config: BflaConfig, skv: int) -> float | tuple[float, ...]:
+    """The ``keep_mass`` a call with ``skv`` keys plans with: ``config.keep_mass`` up to ``keep_mass_ref_len`` keys,
+    beyond it ``1 - (1 - keep_mass) · keep_mass_ref_len / skv`` (each value of a per-head tuple alike)."""
+    ref = config.keep_mass_ref_len
+    if ref is None or skv <= ref:
+        return config.keep_mass
+    shrink = ref / skv
+    if isinstance(config.keep_mass, tuple):
+        return tuple(1.0 - (1.0 - km) * shrink for km in config.keep_mass)
+    return 1.0 - (1.0 - config.keep_mass) * shrink
 
 
 def lists_per_query_head(hq: int, hkv: int, config: BflaConfig) -> bool:

@@ -16,6 +16,7 @@ from hf_sparse_attn.methods.bfla.config import (
     BflaConfig,
     default_note,
     dense_density,
+    keep_mass_at,
     lists_per_query_head,
     min_seq_len,
 )
@@ -182,6 +183,9 @@ def route(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, laye
             log_once(reason)
         return Route(None, dense_reason)
     fv = mask.first_valid.to(q.device) if isinstance(mask, LeftPadding) else None
+    km = keep_mass_at(config, k.shape[2])
+    if km != config.keep_mass:
+        config = dataclasses.replace(config, keep_mass=km)
     t0 = time.perf_counter()
     plan = make_plan(q, k, first_valid=fv, config=config, scale=scale, softcap=softcap, sliding_window=sliding_window)
     dense_reason = _density_rule(q, k, v, plan, config)

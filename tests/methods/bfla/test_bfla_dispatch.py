@@ -137,3 +137,25 @@ def test_handle_stats_name_the_path_per_layer():
             model(ids[:, :40])  # below min_seq_len: no plan
         short = handle.stats()["layers"].values()
         assert all(s["dense_reason"] == "sequence length 40 < min_seq_len 64" for s in short)
+
+
+def test_keep_mass_grows_with_length_beyond_the_reference():
+    cfg = bfla.BflaConfig(keep_mass=0.95, keep_mass_ref_len=8192)
+    assert bfla.keep_mass_at(cfg, 4096) == 0.95 and bfla.keep_mass_at(cfg, 8192) == 0.95
+    assert bfla.keep_mass_at(cfg, 32768) == pytest.approx(1 - 0.05 / 4)
+    per_head = bfla.BflaConfig(keep_mass=(0.9, 0.99), keep_mass_ref_len=1000)
+    assert bfla.keep_mass_at(per_head, 2000) == pytest.approx((0.95, 0.995))
+    assert bfla.keep_mass_at(bfla.BflaConfig(keep_mass=0.9), 10**6) == 0.9  # None: the same at every length
+    with pytest.raises(ValueError, match="keep_mass_ref_len"):
+        bfla.BflaConfig(keep_mass_ref_len=0)
+
+
+def test_long_call_plans_with_the_length_scaled_keep_mass():
+    """The plan of a call longer than the reference equals the plan made with the scaled keep_mass directly."""
+    q, k, v = _qkv(sq=192)
+    scaled, stats = _run(q, k, v, keep_mass=0.3, keep_mass_ref_len=96)  # 192 keys: 1 - 0.7 / 2 = 0.65
+    direct, direct_stats = _run(q, k, v, keep_mass=0.65)
+    torch.testing.assert_close(scaled, direct, atol=0, rtol=0)
+    assert stats["density"] == direct_stats["density"]
+    _, base_stats = _run(q, k, v, keep_mass=0.3)
+    assert base_stats["density"] < stats["density"]
