@@ -30,16 +30,19 @@ from hf_sparse_attn.ops.block_sparse.tiles import BflaPlan, plan_density, valid_
 from hf_sparse_attn.ops.triton_support import TRITON_HEAD_DIMS, use_triton
 
 
-def _fallback_reason(q, mask, causal, config, layer) -> tuple[bool, str | None, str | None]:
-    """``(go_sparse, reason to log once or None, dense_reason for the stats or None)`` before any plan is built."""
+def _fallback_reason(q, skv, mask, causal, config, layer) -> tuple[bool, str | None, str | None]:
+    """``(go_sparse, reason to log once or None, dense_reason for the stats or None)`` before any plan is built.
+    ``min_seq_len`` compares the call's keys ``skv``: a prompt in one call, or a prefill chunk of a longer sequence
+    (chunked prefill, continuous batching) with the keys of its earlier chunks — as the vLLM plugin counts."""
     sq = q.shape[2]
     if layer is not None and not layer.sparse_eligible:
         return False, None, "layer not eligible (sliding-window or sink layer)"
     if sq <= 1:
         return False, None, "decode (one query)"
     shortest = min_seq_len(config, q.device)
-    if sq < shortest:
-        return False, None, f"sequence length {sq} < min_seq_len {shortest}{default_note(config.min_seq_len, q.device)}"
+    if skv < shortest:
+        note = default_note(config.min_seq_len, q.device)
+        return False, None, f"sequence length {skv} < min_seq_len {shortest}{note}"
     if not causal:
         return False, "bfla: non-causal attention runs the exact dense path", "non-causal attention"
     if mask is not None and not isinstance(mask, LeftPadding):  # left padding runs sparse (plan.first_valid)
@@ -177,7 +180,7 @@ class Route:
 def route(q, k, v, mask, *, scale, causal, softcap, sliding_window, config, layer) -> Route:
     """bfla's decision for one call ``q (B,Hq,Sq,D)``, ``k (B,Hkv,Skv,D)`` (``v`` may be None: it is only looked
     at for training): the eligibility rules, then the plan and the "never slower than dense" density rule."""
-    sparse, reason, dense_reason = _fallback_reason(q, mask, causal, config, layer)
+    sparse, reason, dense_reason = _fallback_reason(q, k.shape[2], mask, causal, config, layer)
     if not sparse:
         if reason is not None:
             log_once(reason)

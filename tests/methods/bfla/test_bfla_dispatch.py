@@ -159,3 +159,13 @@ def test_long_call_plans_with_the_length_scaled_keep_mass():
     assert stats["density"] == direct_stats["density"]
     _, base_stats = _run(q, k, v, keep_mass=0.3)
     assert base_stats["density"] < stats["density"]
+
+
+def test_min_seq_len_counts_the_keys_of_a_prefill_chunk():
+    """A prefill chunk (fewer queries than keys: chunked prefill, continuous batching) is gated by its keys, the
+    earlier chunks' included, as the vLLM plugin counts a sequence."""
+    q, k, v = _qkv(sq=192)
+    _, st = _run(q[:, :, -64:], k, v, min_seq_len=128)  # 64 queries, 192 keys
+    assert st["path"] == "sparse"
+    _, st = _run(q[:, :, -64:], k, v, min_seq_len=256)
+    assert st["dense_reason"] == "sequence length 192 < min_seq_len 256"
