@@ -48,7 +48,7 @@ def prefill_and_answer(model, tok, prompt: dict, new_tokens: int, handle) -> dic
     ids = tok(prompt["input"], add_special_tokens=prompt["add_special_tokens"], return_tensors="pt").input_ids
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - t0
         layers = handle.stats()["layers"]
         dens = {i: v.get("density") for i, v in layers.items() if v.get("density") is not None}
