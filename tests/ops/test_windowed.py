@@ -18,9 +18,8 @@ from hf_sparse_attn.methods.entmax import entmax_attention
 from hf_sparse_attn.models import tiny_model
 from hf_sparse_attn.ops import band as windowed
 from hf_sparse_attn.ops.dense import dense_attention
+from hf_sparse_attn.testing.interpreter import INTERPRET, ON_CUDA, kernel_mark
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRET
 TOL = 1e-5
 
 # (b, hq, hkv, sq, skv, window, softcap, pad)
@@ -203,9 +202,7 @@ def test_sliding_layers_take_the_band_path_and_equal_eager(model_type, monkeypat
 # Triton: the band as bfla tile lists through the bfla kernels (CUDA, or TRITON_INTERPRET=1 in a subprocess)
 # ---------------------------------------------------------------------------------------------------------------
 
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or ON_CUDA), reason="runs on CUDA, or under TRITON_INTERPRET=1 in test_band_kernels_interpreted"
-)
+needs_kernel = kernel_mark("test_band_kernels_interpreted")
 
 
 @needs_kernel

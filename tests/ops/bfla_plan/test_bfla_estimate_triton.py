@@ -10,7 +10,6 @@ plan (``build_plan``: selection at ``keep_mass=0.9``, GQA union, rescues, compac
 *equal* to the torch one; (c) the same inputs give the same lists twice; (d) no host sync on the Triton path.
 """
 
-import os
 import sys
 
 import pytest
@@ -18,15 +17,9 @@ import torch
 
 from hf_sparse_attn.methods import bfla
 from hf_sparse_attn.ops.bfla_plan.estimate import estimate_rows
-from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
+from hf_sparse_attn.testing.interpreter import DEVICE, ON_CUDA, interpreter_test, kernel_mark
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRET
-DEVICE = "cuda" if ON_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or ON_CUDA),
-    reason="runs on CUDA, or under TRITON_INTERPRET=1 in test_estimate_kernels_under_interpreter (subprocess)",
-)
+needs_kernel = kernel_mark("test_estimate_kernels_under_interpreter")
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 # (b, hq, hkv, sq, skv, d, block_size, rows_per_block, softcap, window): every length off the block grid
@@ -195,9 +188,4 @@ def test_build_plan_no_sync_cuda(pad):
     assert torch.equal(plan.counts, ref.counts) and torch.equal(plan.ids, ref.ids)
 
 
-@pytest.mark.interpreter
-def test_estimate_kernels_under_interpreter():
-    """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
-    if INTERPRET or ON_CUDA:
-        pytest.skip("kernel tests run directly in this process")
-    run_kernel_tests_under_interpreter(__file__)
+test_estimate_kernels_under_interpreter = interpreter_test(__file__)

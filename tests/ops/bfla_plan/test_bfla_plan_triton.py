@@ -25,14 +25,9 @@ from hf_sparse_attn.methods import bfla
 from hf_sparse_attn.ops.bfla_plan.estimate import estimate_rows
 from hf_sparse_attn.ops.bfla_plan.quantize import mass_budget
 from hf_sparse_attn.ops.bfla_plan.select import as_tuple, row_entropy, select_plan
+from hf_sparse_attn.testing.interpreter import DEVICE, INTERPRET, ON_CUDA, kernel_mark
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRET
-DEVICE = "cuda" if ON_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or ON_CUDA),
-    reason="runs on CUDA, or under TRITON_INTERPRET=1 in test_plan_kernels_under_interpreter (subprocess)",
-)
+needs_kernel = kernel_mark("test_plan_kernels_under_interpreter")
 NO_RESCUES = dict(sink=0, local=-1, dense_last_blocks=0, flat_entropy=1.0)
 
 

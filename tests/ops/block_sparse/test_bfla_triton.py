@@ -6,21 +6,14 @@ without affecting the other test modules); the interpreter cannot do ``tl.dot`` 
 fp32 and fp16 are tested and bf16 is left to the GPU run (``benchmarks/gpu_check.sh``).
 """
 
-import os
 
 import pytest
 import torch
 
 from hf_sparse_attn.methods import bfla
-from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
+from hf_sparse_attn.testing.interpreter import DEVICE, ON_CUDA, interpreter_test, kernel_mark
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRET
-DEVICE = "cuda" if ON_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or ON_CUDA),
-    reason="runs on CUDA, or under TRITON_INTERPRET=1 in test_kernels_under_interpreter (subprocess)",
-)
+needs_kernel = kernel_mark("test_kernels_under_interpreter")
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 # (b, hq, hkv, sq, skv, d, block_size, block_m, block_n, softcap, window)
@@ -286,9 +279,4 @@ def test_custom_ops_cpu_opcheck(pad):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.interpreter
-def test_kernels_under_interpreter():
-    """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
-    if INTERPRET or ON_CUDA:
-        pytest.skip("kernel tests run directly in this process")
-    run_kernel_tests_under_interpreter(__file__)
+test_kernels_under_interpreter = interpreter_test(__file__)

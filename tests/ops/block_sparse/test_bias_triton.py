@@ -8,22 +8,15 @@ random kept-tile lists (the first and the diagonal tiles always kept); the bias 
 diagonal tile only and a row that sees no tile (o = 0, lse = 0, zero gradients, no NaN).
 """
 
-import os
 
 import pytest
 import torch
 
 from hf_sparse_attn.ops.block_sparse.naive import reference_sparse_bwd, reference_sparse_fwd
 from hf_sparse_attn.ops.block_sparse.tiles import block_valid, compact, valid_rows
-from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
+from hf_sparse_attn.testing.interpreter import DEVICE, ON_CUDA, interpreter_test, kernel_mark
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRET
-DEVICE = "cuda" if ON_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or ON_CUDA),
-    reason="runs on CUDA, or under TRITON_INTERPRET=1 in test_bias_kernels_under_interpreter (subprocess)",
-)
+needs_kernel = kernel_mark("test_bias_kernels_under_interpreter")
 
 # (b, hq, hkv, sq, skv, d, block_size, block_m, block_n, softcap, window, first_valid)
 CASES = {
@@ -193,9 +186,4 @@ def test_custom_op_bias_cuda_matches_cpu_path():
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.interpreter
-def test_bias_kernels_under_interpreter():
-    """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
-    if INTERPRET or ON_CUDA:
-        pytest.skip("kernel tests run directly in this process")
-    run_kernel_tests_under_interpreter(__file__)
+test_bias_kernels_under_interpreter = interpreter_test(__file__)

@@ -2,7 +2,6 @@
 ``triton_bwd``, equals the definition (:func:`hf_sparse_attn.ops.dash.naive.dash_attention_reference`) and the
 reference gradients. On CUDA directly; without CUDA in a subprocess under ``TRITON_INTERPRET=1`` (fp32, fp16)."""
 
-import os
 
 import pytest
 import torch
@@ -11,15 +10,9 @@ from hf_sparse_attn.ops.block_sparse.naive import reference_sparse_bwd
 from hf_sparse_attn.ops.block_sparse.tiles import compact
 from hf_sparse_attn.ops.dash.attention import DashShape, stage1
 from hf_sparse_attn.ops.dash.naive import dash_attention_reference
-from hf_sparse_attn.testing.interpreter import run_kernel_tests_under_interpreter
+from hf_sparse_attn.testing.interpreter import DEVICE, ON_CUDA, interpreter_test, kernel_mark
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available() and not INTERPRET
-DEVICE = "cuda" if ON_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (INTERPRET or ON_CUDA),
-    reason="runs on CUDA, or under TRITON_INTERPRET=1 in test_dash_kernels_under_interpreter",
-)
+needs_kernel = kernel_mark("test_dash_kernels_under_interpreter")
 
 # b, hq, hkv, sq, skv, d, block, first_valid
 CASES = {"gqa2-prefill": (1, 4, 2, 80, 80, 64, 16, None), "gqa3-chunked-padded": (2, 3, 1, 37, 90, 64, 16, (0, 9))}
@@ -79,9 +72,4 @@ def test_dash_attention_cuda_equals_the_cpu_path_with_gradients():
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.interpreter
-def test_dash_kernels_under_interpreter():
-    """Run this module's kernel tests in a subprocess with TRITON_INTERPRET=1 (fp32, fp16; small shapes)."""
-    if INTERPRET or ON_CUDA:
-        pytest.skip("kernel tests run directly in this process")
-    run_kernel_tests_under_interpreter(__file__)
+test_dash_kernels_under_interpreter = interpreter_test(__file__)
