@@ -33,17 +33,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from hf_sparse_attn import patch_model  # noqa: E402
 from hf_sparse_attn.models import load  # noqa: E402
-from hf_sparse_attn.testing.prose import answered, needle_prompt, passphrase_needle  # noqa: E402
-
-WORDS = ["amber", "cobalt", "juniper", "saffron", "willow", "quartz", "harbor", "meadow"]
-SUBJECTS = ["the staging archive", "the backup vault", "the release branch", "the test cluster",
-            "the billing console", "the metrics board", "the build farm", "the audit log"]
+from hf_sparse_attn.testing.prose import answered, needle_prompt, numbered_passphrase  # noqa: E402
 
 
 def make_prompts(tokenizer, lengths: list[int]) -> list[dict]:
     out = []
     for i, n in enumerate(lengths):
-        needle = passphrase_needle(WORDS[i % len(WORDS)], 1000 + 379 * i, SUBJECTS[i % len(SUBJECTS)])
+        needle = numbered_passphrase(i)
         p = needle_prompt(tokenizer, n, depth=(0.15 + 0.23 * i) % 0.9, needle=needle)
         ids = tokenizer(p["input"], add_special_tokens=p["add_special_tokens"])["input_ids"]
         out.append({"ids": ids, "needle": needle, "tokens": len(ids), "depth": p["depth"]})

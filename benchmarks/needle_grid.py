@@ -26,11 +26,7 @@ import torch  # noqa: E402
 
 from hf_sparse_attn import patch_model  # noqa: E402
 from hf_sparse_attn.models import load  # noqa: E402
-from hf_sparse_attn.testing.prose import answered, needle_prompt, passphrase_needle  # noqa: E402
-
-WORDS = ["amber", "cobalt", "juniper", "saffron", "willow", "quartz", "harbor", "meadow"]
-SUBJECTS = ["the staging archive", "the backup vault", "the release branch", "the test cluster",
-            "the billing console", "the metrics board", "the build farm", "the audit log"]
+from hf_sparse_attn.testing.prose import answered, needle_prompt, numbered_passphrase  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -82,7 +78,7 @@ def main() -> None:
     for li, n in enumerate(args.lengths):
         for di, depth in enumerate(args.depths):
             j = li * len(args.depths) + di
-            needle = passphrase_needle(WORDS[j % len(WORDS)], 1000 + 379 * j, SUBJECTS[j % len(SUBJECTS)])
+            needle = numbered_passphrase(j)
             prompt = needle_prompt(tok, n, depth=depth, needle=needle, text=args.text, chat_template=chat)
             for name, method, options in configs:
                 handle = patch_model(model, method=method, **options)

@@ -82,11 +82,7 @@ def hf_sparse_attn_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-_CU_MEMO: list = [None]  # ((weakref q, version), (weakref k, version), Packed) of the last varlen call
-
-
-def _host_cu(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(x) for x in t.tolist())
+_CU_MEMO: list = [None]  # (weakref cu_q, weakref cu_k, their version counters, Packed) of the last varlen call
 
 
 def _varlen_mask(mask, batch: int, kwargs: dict):
@@ -109,7 +105,7 @@ def _varlen_mask(mask, batch: int, kwargs: dict):
     key = (cu_q._version, cu_k._version)
     if memo is not None and memo[0]() is cu_q and memo[1]() is cu_k and memo[2] == key:
         return memo[3]
-    packed = Packed(_host_cu(cu_q), _host_cu(cu_k))
+    packed = Packed(tuple(cu_q.tolist()), tuple(cu_k.tolist()))
     _CU_MEMO[0] = (weakref.ref(cu_q), weakref.ref(cu_k), key, packed)
     return packed
 
@@ -207,16 +203,15 @@ def _run_packed(method, config, layer, q, k, v, packed: Packed, **kwargs) -> tor
                          f"keys in one batch row; got q {tuple(q.shape)} and k {tuple(k.shape)}")
     longest: dict = {"keys": -1, "stats": {}}
 
-    def one_sequence(qs, ks, vs, mask, *, layer=None):  # attend_spans passes layer=None: the stats are kept here
-        if state is not None:
-            state.stats = {}
-        out = run_method(method, config, state, qs, ks, vs, mask, **kwargs)
-        if state is not None and ks.shape[2] > longest["keys"]:
-            longest.update(keys=ks.shape[2], stats=state.stats)
+    def one_sequence(qs, ks, vs, mask, **_):  # the stats are kept here, not summed: sequences differ in shape
+        if layer is not None:
+            layer.stats = {}
+        out = run_method(method, config, layer, qs, ks, vs, mask, **kwargs)
+        if layer is not None and ks.shape[2] > longest["keys"]:
+            longest.update(keys=ks.shape[2], stats=layer.stats)
         return out
 
-    state = layer
-    out = attend_spans(one_sequence, q, k, v, packed.spans(), layer=None)
+    out = attend_spans(one_sequence, q, k, v, packed.spans())
     if layer is not None:
         layer.stats = {**longest["stats"], "sequences": packed.num_sequences}
     return out

@@ -96,6 +96,17 @@ def passphrase_needle(word: str = "amber", number: int = 4417, subject: str = "t
     )
 
 
+_WORDS = ("amber", "cobalt", "juniper", "saffron", "willow", "quartz", "harbor", "meadow")
+_SUBJECTS = ("the staging archive", "the backup vault", "the release branch", "the test cluster",
+             "the billing console", "the metrics board", "the build farm", "the audit log")
+
+
+def numbered_passphrase(j: int) -> Needle:
+    """The ``j``-th of a series of distinct passphrase needles (word, number and subject differ between neighbours),
+    for prompt sets where each prompt needs its own answer."""
+    return passphrase_needle(_WORDS[j % len(_WORDS)], 1000 + 379 * j, _SUBJECTS[j % len(_SUBJECTS)])
+
+
 def _render(tokenizer, context: str, needle: Needle, chat_template: bool) -> str:
     task = f"Read the following documentation.\n\n{context}\n\n{needle.question}"
     if chat_template:
